@@ -1,0 +1,113 @@
+"""PQCache: a transformers Cache whose full-attention layers attend to PQ-retrieved tokens.
+
+Integration: `PQCache(model, config)` registers an attention function named "pqcache" and sets the
+model to it. Cache.update() runs right before the attention call of the same layer on the same
+thread, so update() leaves the layer in a thread-local slot and the attention function picks it up.
+Calls that find no PQ layer there (sliding-window layers, other caches, prefill) run exact SDPA.
+"""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .config import PQCacheConfig
+from .iters import kmeans_iters_for
+from .layer import PQLayer
+
+ATTN_NAME = "pqcache"
+_active = threading.local()
+
+
+def _valid_from_mask(mask: torch.Tensor | None, batch: int, kv_len: int, device) -> torch.Tensor:
+    """(B, kv_len) bool of real tokens, read off the last query row of a 4D mask (None: all real)."""
+    if mask is None:
+        return torch.ones(batch, kv_len, dtype=torch.bool, device=device)
+    row = mask[:, 0, -1, :kv_len]
+    if row.dtype != torch.bool:
+        row = row > torch.finfo(row.dtype).min / 2
+    return row.expand(batch, kv_len)
+
+
+def pqcache_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Attention interface "pqcache": query (B, Hq, Q, D) -> (B, Q, Hq, D)."""
+    layer = getattr(_active, "layer", None)
+    _active.layer = None
+    if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    B, _, Q, _ = query.shape
+    if not layer.prefilled:
+        out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        layer.finish_prefill(_valid_from_mask(attention_mask, B, key.shape[2], key.device))
+        return out
+    new_valid = _valid_from_mask(attention_mask, B, layer.S + Q, query.device)[:, layer.S:]
+    return layer.attend(query, new_valid, scaling, softcap=kwargs.get("softcap")), None
+
+
+def register_attention():
+    if ATTN_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTN_NAME, pqcache_attention)
+        AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+
+
+class PQCache(Cache):
+    """PQ-retrieval KV cache. Use as `model.generate(ids, cache=PQCache(model, PQCacheConfig(...)))`."""
+
+    def __init__(self, model, config: PQCacheConfig | None = None):
+        self.pq_config = config or PQCacheConfig()
+        text_config = model.config.get_text_config(decoder=True)
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        self.pq_config.check_head_dim(head_dim)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans")
+        iters_for = lambda s: kmeans_iters_for(self.pq_config.kmeans_iters, s)  # noqa: E731
+        layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
+        layers = []
+        for idx, (kind, kw) in enumerate(zip(layer_types, per_layer_kwargs)):
+            if kind == "full_attention":
+                layers.append(PQLayer(self.pq_config, idx, self.executor, iters_for))
+            else:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
+        super().__init__(layers=layers)
+        register_attention()
+        if model.config._attn_implementation != ATTN_NAME:
+            model.set_attn_implementation(ATTN_NAME)
+
+    @property
+    def pq_layers(self) -> list[PQLayer]:
+        return [layer for layer in self.layers if isinstance(layer, PQLayer)]
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        _active.layer = layer if isinstance(layer, PQLayer) else None
+        return layer.update(key_states, value_states, *args, **kwargs)
+
+    def wait(self):
+        """Block until every layer's PQ is built."""
+        for layer in self.pq_layers:
+            layer.wait_pq()
+
+    def stats(self) -> dict:
+        """Bytes per tier (sliding-window layers count as device KV) and per-layer PQ build figures."""
+        total = {"device_kv_bytes": 0, "host_kv_bytes": 0, "pq_bytes": 0}
+        for layer in self.layers:
+            if isinstance(layer, PQLayer):
+                for k, v in layer.memory().items():
+                    total[k] += v
+            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
+                total["device_kv_bytes"] += layer.keys.numel() * layer.keys.element_size() * 2
+        total["layers"] = [
+            {"layer": layer.layer_idx, **{k: v for k, v in layer.stats.items()}} for layer in self.pq_layers
+        ]
+        iters = [layer.stats["kmeans_iters"] for layer in self.pq_layers if layer.stats["kmeans_iters"] is not None]
+        total["kmeans_iters"] = max(iters) if iters else None
+        return total
+
+    def close(self):
+        self.executor.shutdown(wait=True)

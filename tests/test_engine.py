@@ -1,0 +1,151 @@
+"""PQCache against exact attention on tiny random models of every supported architecture."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pqcache import PQCache, PQCacheConfig
+
+from .conftest import tiny_model
+
+FULL_BUDGET = PQCacheConfig(token_budget=1.0, n_init=4, n_local=8, kmeans_iters=5, bits=4)
+
+
+def _generate(model, ids, mask, cache, n=6):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, cache=cache, pad_token_id=0)
+    return out.sequences, torch.stack(out.scores)
+
+
+def _batch(seed=1, lengths=(80, 57)):
+    g = torch.Generator().manual_seed(seed)
+    S = max(lengths)
+    ids = torch.zeros(len(lengths), S, dtype=torch.long)
+    mask = torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, n in enumerate(lengths):  # left padding
+        ids[b, S - n:] = torch.randint(1, 96, (n,), generator=g)
+        mask[b, S - n:] = 1
+    return ids, mask
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_full_budget_equals_full_attention(arch, batch):
+    model = tiny_model(arch)
+    ids, mask = _batch(lengths=(80, 57)[:batch])
+    with torch.no_grad():
+        ref_seq, ref_scores = _generate(model, ids, mask, DynamicCache(config=model.config))
+        cache = PQCache(model, FULL_BUDGET)
+        seq, scores = _generate(model, ids, mask, cache)
+    assert cache.pq_layers, "the model must have PQ layers"
+    assert all(layer.stats["steps"] == 5 for layer in cache.pq_layers), "decode must run through the PQ path"
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    assert torch.equal(seq, ref_seq)
+
+
+def test_small_budget_really_drops_tokens(arch):
+    model = tiny_model(arch)
+    ids, mask = _batch(lengths=(200,))
+    cfg = PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=5, bits=4)
+    with torch.no_grad():
+        _, ref = _generate(model, ids, mask, DynamicCache(config=model.config))
+        cache = PQCache(model, cfg)
+        _, scores = _generate(model, ids, mask, cache)
+    layer = cache.pq_layers[0]
+    top, valid = layer.last_selection
+    n_init, n_topk, n_local = cfg.split(layer.n_real[0] - 1)
+    assert valid.sum(-1).max() <= n_topk + 1
+    assert top.shape[-1] < 200 // 2
+    assert not torch.allclose(scores, ref, atol=1e-6), "a 1/5 budget attends to fewer tokens than full attention"
+    assert not torch.isnan(scores).any()  # (-inf is min_new_tokens masking EOS)
+
+
+def test_batch_rows_match_rows_alone():
+    """Left-padded batch of 2 under a small budget gives each row the answer it gets alone."""
+    model = tiny_model("llama")
+    lengths = (160, 121)
+    ids, mask = _batch(seed=3, lengths=lengths)
+    cfg = PQCacheConfig(token_budget=0.25, n_init=4, kmeans_iters=8, bits=4)
+    with torch.no_grad():
+        seq, scores = _generate(model, ids, mask, PQCache(model, cfg))
+        for b, n in enumerate(lengths):
+            row_ids = ids[b:b + 1, ids.shape[1] - n:]
+            row_seq, row_scores = _generate(model, row_ids, torch.ones_like(row_ids), PQCache(model, cfg))
+            assert torch.equal(seq[b, -6:], row_seq[0, -6:])
+            torch.testing.assert_close(scores[:, b], row_scores[:, 0], rtol=1e-3, atol=1e-3)
+
+
+def test_second_chunk_runs_against_cached_document(arch):
+    """A question chunk after the prefill: no re-prefill, exact when the budget covers everything."""
+    model = tiny_model(arch)
+    g = torch.Generator().manual_seed(5)
+    doc = torch.randint(1, 96, (1, 90), generator=g)
+    question = torch.randint(1, 96, (1, 12), generator=g)
+    with torch.no_grad():
+        ref = model(torch.cat([doc, question], 1), use_cache=False).logits[:, -12:]
+        cache = PQCache(model, FULL_BUDGET)
+        model(doc, cache=cache)
+        assert cache.get_seq_length() == 90
+        out = model(question, cache=cache).logits
+        assert cache.get_seq_length() == 102
+        assert all(layer.S == 102 for layer in cache.pq_layers)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_second_chunk_shares_one_selection():
+    model = tiny_model("llama")
+    doc = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(2))
+    cache = PQCache(model, PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=5, bits=4))
+    with torch.no_grad():
+        model(doc, cache=cache)
+        logits = model(doc[:, :10], cache=cache).logits
+    assert torch.isfinite(logits).all()
+    layer = cache.pq_layers[0]
+    top, valid = layer.last_selection
+    assert top.shape[:2] == (1, 2)  # one top-k set per KV head for the whole 10-token chunk
+    _, n_topk, _ = cache.pq_config.split(300)  # the budget of the 300 cached tokens
+    assert int(valid.sum()) == 2 * n_topk
+
+
+def test_sliding_layers_keep_exact_window():
+    model = tiny_model("gemma3")
+    cache = PQCache(model, FULL_BUDGET)
+    kinds = [type(layer).__name__ for layer in cache.layers]
+    assert kinds[1] == "PQLayer" and kinds[0] != "PQLayer" and kinds[2] != "PQLayer"
+    with torch.no_grad():
+        model(torch.randint(1, 96, (1, 60)), cache=cache)
+    assert cache.layers[0].keys.shape[2] <= 24 + 1  # the sliding window, not the context
+
+
+def test_memory_accounting_and_tiers():
+    model = tiny_model("llama")
+    cfg = PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=5, bits=4, m=2)
+    cache = PQCache(model, cfg)
+    with torch.no_grad():
+        model(torch.randint(1, 96, (1, 400)), cache=cache)
+    cache.wait()
+    stats = cache.stats()
+    B, H, D, S = 1, 2, 16, 400
+    layer = cache.pq_layers[0]
+    assert layer.codes.dtype == torch.uint8
+    n_layers = len(cache.pq_layers)
+    assert stats["pq_bytes"] == n_layers * B * H * (cfg.m * S + cfg.n_centroids * D * 4)
+    assert stats["host_kv_bytes"] == n_layers * 2 * B * H * S * D * 4
+    n_init, _, n_local = cfg.split(S)
+    assert stats["device_kv_bytes"] == n_layers * 2 * B * H * (n_init + n_local) * D * 4
+    assert stats["device_kv_bytes"] < stats["host_kv_bytes"] / 4
+
+
+def test_non_pq_cache_still_exact_after_pqcache_attached():
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 96, (1, 40))
+    with torch.no_grad():
+        before = model(ids).logits
+        PQCache(model, FULL_BUDGET)
+        after = model(ids, cache=DynamicCache(config=model.config)).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def test_pq_layer_rejects_beam_search():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 96, (1, 30))
+    with pytest.raises(NotImplementedError, match="beam"):
+        model.generate(ids, num_beams=2, max_new_tokens=2, cache=PQCache(model, FULL_BUDGET), pad_token_id=0)

@@ -1,0 +1,50 @@
+"""The bundled Gemma 3 270M: PQCache at 1/5 of the tokens answers a passkey question like full attention."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pqcache import ModelNotFoundError, PQCache, PQCacheConfig, load_model
+from pqcache.passkey import passkey_prompt
+
+
+@pytest.mark.parametrize("key,depth", [("68422", 0.4), ("31907", 0.8)])
+def test_passkey_at_one_fifth_budget_matches_full(real_model, key, depth):
+    model, tok = real_model
+    ids = tok(passkey_prompt(key, n_filler=40, depth=depth), return_tensors="pt").input_ids
+    assert 900 <= ids.shape[1] <= 1200  # ~1K tokens
+    with torch.no_grad():
+        full = model.generate(ids, max_new_tokens=7, do_sample=False, cache=DynamicCache(config=model.config))
+        cache = PQCache(model, PQCacheConfig(token_budget=0.2))
+        out = model.generate(ids, max_new_tokens=7, do_sample=False, cache=cache)
+    full_text = tok.decode(full[0, ids.shape[1]:])
+    pq_text = tok.decode(out[0, ids.shape[1]:])
+    assert key in full_text
+    assert key in pq_text
+    assert out[0, ids.shape[1]:ids.shape[1] + 6].tolist() == full[0, ids.shape[1]:ids.shape[1] + 6].tolist()
+    # PQ sits on Gemma 3's full-attention layers only (every 6th), sliding layers keep their window.
+    assert [layer.layer_idx for layer in cache.pq_layers] == [5, 11, 17]
+    layer = cache.pq_layers[0]
+    n_init, n_topk, n_local = cache.pq_config.split(ids.shape[1])
+    assert layer.last_selection[1].sum() <= n_topk + 2  # the budget really was 1/5
+
+
+def test_load_model_missing_folder_says_what_to_do(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="does not exist.*local transformers model folder"):
+        load_model(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelNotFoundError, match="no config.json"):
+        load_model(str(tmp_path / "empty"))
+
+
+def test_load_model_from_local_folder(real_model, tmp_path):
+    """Any local transformers folder loads: a tiny Llama saved to disk."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from pqcache.loading import default_model_dir
+
+    LlamaForCausalLM(LlamaConfig(vocab_size=262144, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    real_model[1].save_pretrained(tmp_path)  # any tokenizer will do
+    model, tok = load_model(str(tmp_path), device="cpu")
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert (default_model_dir() / "model.safetensors").exists()

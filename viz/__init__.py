@@ -1,0 +1,1 @@
+"""Plotly figures built from PQCache instrumentation data (no model code here)."""
