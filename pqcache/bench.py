@@ -43,14 +43,15 @@ def filled_layer(keys, values, config: PQCacheConfig, iters: int = 10) -> PQLaye
 def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128, budget=0.1,
                     m=2, bits=6, repeats=15, seed=0) -> list[dict]:
     """One decode step of one layer (Llama-3.1-8B head shapes): dense SDPA over s tokens against the
-    PQCache step (PQ search + top-k + gather + attention + appending the new token)."""
+    PQCache step (PQ search + top-k + gather + attention + appending the new token). The block cache
+    is off here: on a CPU the device and host tiers are the same memory (see `bench blockcache`)."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
     scaling = head_dim ** -0.5
     for s in seq_lens:
         keys = torch.randn(1, n_kv, s, head_dim, generator=gen)
         values = torch.randn(1, n_kv, s, head_dim, generator=gen)
-        cfg = PQCacheConfig(m=m, bits=bits, token_budget=budget, kmeans_iters=10)
+        cfg = PQCacheConfig(m=m, bits=bits, token_budget=budget, kmeans_iters=10, block_cache_tokens=0)
         layer = filled_layer(keys, values, cfg)
         q = torch.randn(1, n_q, 1, head_dim, generator=gen)
         k_new = torch.randn(1, n_kv, 1, head_dim, generator=gen)

@@ -8,6 +8,7 @@ Calls that find no PQ layer there (sliding-window layers, other caches, prefill)
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -17,6 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .config import PQCacheConfig
+from .instrument import Instrumentation
 from .iters import kmeans_iters_for
 from .layer import PQLayer
 
@@ -61,8 +63,11 @@ class PQCache(Cache):
     """PQ-retrieval KV cache. Use as `model.generate(ids, cache=PQCache(model, PQCacheConfig(...)))`."""
 
     def __init__(self, model, config: PQCacheConfig | None = None):
+        """model: a transformers causal LM (switched to the "pqcache" attention function), or just its
+        config (a cache filled by hand, e.g. in benchmarks)."""
         self.pq_config = config or PQCacheConfig()
-        text_config = model.config.get_text_config(decoder=True)
+        model_config = getattr(model, "config", model)
+        text_config = model_config.get_text_config(decoder=True)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         self.pq_config.check_head_dim(head_dim)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans")
@@ -75,9 +80,50 @@ class PQCache(Cache):
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
-        register_attention()
-        if model.config._attn_implementation != ATTN_NAME:
-            model.set_attn_implementation(ATTN_NAME)
+        self.observer: Instrumentation | None = None
+        self._hooks = []
+        self._model = None
+        if hasattr(model, "set_attn_implementation"):
+            self._model = weakref.ref(model)
+            register_attention()
+            if model.config._attn_implementation != ATTN_NAME:
+                model.set_attn_implementation(ATTN_NAME)
+
+    def instrument(self, observer: Instrumentation | None = None, **kwargs) -> Instrumentation | None:
+        """Attach an observer (or make one from Instrumentation's kwargs); `instrument(None)` detaches.
+        Decoder layers of the model get "device compute" spans through forward hooks."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        if observer is None and not kwargs:
+            self.observer = None
+            for layer in self.pq_layers:
+                layer.obs = None
+            return None
+        obs = observer or Instrumentation(**kwargs)
+        self.observer = obs
+        for layer in self.pq_layers:
+            layer.obs = obs
+        model = self._model() if self._model is not None else None
+        if model is not None:
+            if next(model.parameters()).device.type == "cuda":
+                obs.sync = torch.cuda.synchronize
+            starts = {}
+            for module in model.modules():
+                idx = getattr(getattr(module, "self_attn", None), "layer_idx", None)
+                if idx is None:
+                    continue
+
+                def pre(mod, args, idx=idx):
+                    starts[idx] = obs.now()
+
+                def post(mod, args, out, idx=idx):
+                    if obs.sync is not None:
+                        obs.sync()
+                    obs.event("device compute", idx, starts.pop(idx, obs.now()), obs.now())
+
+                self._hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+        return obs
 
     @property
     def pq_layers(self) -> list[PQLayer]:

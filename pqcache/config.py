@@ -32,6 +32,17 @@ class PQCacheConfig:
     # "softmax_sum" (official code: softmax per query head, then sum), or "sum" (raw scores summed).
     gqa_combine: str = "softmax_sum"
     seed: int = 1234
+    # Device block cache (per layer): blocks of `block_size` tokens, `block_cache_tokens` capacity
+    # (0 = off), up to `block_admit` blocks admitted per step, "lfu" (official) or "lru" eviction.
+    block_size: int = 128
+    block_cache_tokens: int = 1024
+    block_admit: int = 8
+    cache_policy: str = "lfu"
+    # Re-cluster all keys every N generated tokens (None = never, codes of new tokens come from the
+    # existing centroids). A multi-token chunk of at least `turn_min_tokens` after the prefill (a new
+    # user turn) gets K-Means of its own, its codes appended under its own centroids.
+    rebuild_every: int | None = None
+    turn_min_tokens: int = 256
 
     def __post_init__(self):
         errors = []
@@ -57,6 +68,20 @@ class PQCacheConfig:
             errors.append(f"metric must be 'l2' or 'ip', got {self.metric!r}")
         if self.gqa_combine not in ("softmax_sum", "sum"):
             errors.append(f"gqa_combine must be 'softmax_sum' or 'sum', got {self.gqa_combine!r}")
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            errors.append(f"block_size must be an int >= 1, got {self.block_size!r}")
+        elif not isinstance(self.block_cache_tokens, int) or self.block_cache_tokens < 0 \
+                or self.block_cache_tokens % self.block_size:
+            errors.append(f"block_cache_tokens must be 0 or a multiple of block_size={self.block_size}, "
+                          f"got {self.block_cache_tokens!r}")
+        if not isinstance(self.block_admit, int) or self.block_admit < 1:
+            errors.append(f"block_admit must be an int >= 1, got {self.block_admit!r}")
+        if self.cache_policy not in ("lru", "lfu"):
+            errors.append(f"cache_policy must be 'lru' or 'lfu', got {self.cache_policy!r}")
+        if self.rebuild_every is not None and (not isinstance(self.rebuild_every, int) or self.rebuild_every < 1):
+            errors.append(f"rebuild_every must be None or an int >= 1, got {self.rebuild_every!r}")
+        if not isinstance(self.turn_min_tokens, int) or self.turn_min_tokens < 1:
+            errors.append(f"turn_min_tokens must be an int >= 1, got {self.turn_min_tokens!r}")
         if not errors and self.is_absolute_budget and self.n_local is not None:
             if self.n_init + self.n_local > int(b):
                 errors.append(

@@ -1,10 +1,12 @@
 """PQLayer: the KV cache of one full-attention layer under PQCache.
 
 Tiers (per layer):
-  host   k_host, v_host (B, H, cap, D)  every token by position; codes (B, H, m, cap) uint8
-  device k_init, v_init (B, H, n_init, D)  first real tokens of each row (attention sinks)
-         k_ring, v_ring (B, H, L, D)       ring buffer of the most recent tokens (local window)
-         centroids      (B, H, m, C, d)    small, stay on the device
+  host   k_host, v_host (B, H, cap, D)   every token by position (pinned on CUDA)
+  device codes (B, H, m, cap) uint8, centroids per segment (B, H, m, C, d): small, stay on the device
+         dev_k, dev_v (B, H, n_init + L + k_cap + q_cap, D), one preallocated buffer laid out as
+             [ sinks | local-window ring | fetched top-k | new tokens ]
+         so a step writes the fetched tokens and the new tokens in place and attends to a prefix.
+         block cache (blockcache.py): hot blocks of host tokens.
 
 A decode step (or a multi-token chunk after the prefill) attends to
   sinks + top-k middle tokens found by PQ search + local window + the new tokens themselves.
@@ -12,12 +14,15 @@ A chunk of Q > 1 tokens picks ONE top-k set for the whole chunk: each query row'
 scores are softmaxed over the tokens and summed over the chunk (and over the GQA group), so a
 question after a document retrieves the document tokens that the question as a whole points to.
 
+Codebooks are segments: segment i (start_i, centroids_i) codes positions [start_i, start_i+1).
+The prefill is segment 0; a long chunk after it (a new user turn) gets its own K-Means; a rebuild
+(every `rebuild_every` generated tokens) re-clusters everything into one segment.
+
 Rows of a batch are independent: per-row validity (left padding), per-row sinks, per-row budgets,
 per-row K-Means. Positions are the padded positions shared by the batch.
 """
 from __future__ import annotations
 
-import math
 import time
 from concurrent.futures import Executor, Future
 
@@ -25,11 +30,8 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from . import pq
+from .blockcache import BlockCache
 from .config import PQCacheConfig
-
-
-def _alloc(shape, dtype, device, pin=False):
-    return torch.empty(shape, dtype=dtype, device=device, pin_memory=pin)
 
 
 class PQLayer(CacheLayerMixin):
@@ -46,8 +48,12 @@ class PQLayer(CacheLayerMixin):
         self.S = 0  # positions stored (padded coordinates)
         self.prefilled = False
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.pq_future: Future | None = None
-        self.stats = {"kmeans_iters": None, "pq_build_s": None, "pq_wait_s": 0.0, "steps": 0}
+        self.jobs: list[tuple[Future, float]] = []  # PQ builds in flight: (future, time submitted)
+        self.segments: list[tuple[int, torch.Tensor]] = []  # (start position, centroids)
+        self.obs = None  # Instrumentation, when attached
+        self.generated = 0
+        self.stats = {"kmeans_iters": None, "pq_build_s": None, "pq_wait_s": 0.0, "pq_ready_before_use": None,
+                      "steps": 0, "hits": 0, "misses": 0, "rebuilds": 0, "turn_segments": 0}
 
     # ---- transformers Cache layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -84,6 +90,7 @@ class PQLayer(CacheLayerMixin):
         return self.S + query_length, 0
 
     def reset(self):
+        self.wait_pq()
         self.__init__(self.config, self.layer_idx, self.executor, self.iters_for)
 
     def reorder_cache(self, beam_idx):
@@ -97,10 +104,11 @@ class PQLayer(CacheLayerMixin):
     def _ensure_capacity(self, n: int):
         if n <= self.cap:
             return
+        self._wait_jobs()  # background builds write codes: never swap buffers under them
         cap = max(n + n // 4 + 256, 2 * self.cap)  # headroom: decoding appends without copying
         B, H, D, m = self.B, self.H, self.D, self.config.m
-        k = _alloc((B, H, cap, D), self.dtype, self.host, self.pin)
-        v = _alloc((B, H, cap, D), self.dtype, self.host, self.pin)
+        k = torch.empty((B, H, cap, D), dtype=self.dtype, device=self.host, pin_memory=self.pin)
+        v = torch.empty((B, H, cap, D), dtype=self.dtype, device=self.host, pin_memory=self.pin)
         codes = torch.zeros((B, H, m, cap), dtype=torch.uint8, device=self.device)
         valid = torch.zeros((B, cap), dtype=torch.bool, device=self.device)
         searchable = torch.zeros((B, cap), dtype=torch.bool, device=self.device)
@@ -117,8 +125,11 @@ class PQLayer(CacheLayerMixin):
     def _write_host(self, k, v):
         Q = k.shape[2]
         self._ensure_capacity(self.S + Q)
-        self.k_host[:, :, self.S:self.S + Q].copy_(k, non_blocking=True)
-        self.v_host[:, :, self.S:self.S + Q].copy_(v, non_blocking=True)
+        with self._span("copy to host"):
+            self.k_host[:, :, self.S:self.S + Q].copy_(k, non_blocking=True)
+            self.v_host[:, :, self.S:self.S + Q].copy_(v, non_blocking=True)
+        if self.obs is not None:
+            self.obs.moved("to_host", 2 * k.numel() * k.element_size())
         self.S += Q
         if self.pin:  # the host reads these later (K-Means, gathers): remember when the copy lands
             self.host_ready = torch.cuda.Event()
@@ -127,6 +138,11 @@ class PQLayer(CacheLayerMixin):
     def _sync_host(self):
         if self.pin and getattr(self, "host_ready", None) is not None:
             self.host_ready.synchronize()
+
+    def _span(self, lane):
+        from contextlib import nullcontext
+
+        return nullcontext() if self.obs is None else self.obs.span(lane, self.layer_idx)
 
     # ---- prefill -----------------------------------------------------------------------------------
     def finish_prefill(self, valid: torch.Tensor):
@@ -146,23 +162,42 @@ class PQLayer(CacheLayerMixin):
         is_init = valid & (rank < n_init_row[:, None])
         self.searchable[:, :S] = (valid & ~is_init).to(self.device)
         # Sink positions per row: the first n_init real tokens (sorted key puts them first).
-        big = S + 1
-        key = torch.where(is_init, rank, torch.full_like(rank, big))
+        key = torch.where(is_init, rank, torch.full_like(rank, S + 1))
         init_pos = key.argsort(dim=1, stable=True)[:, : self.n_init]  # (B, n_init)
         self.init_valid = is_init.gather(1, init_pos).to(self.device)
-        self.k_init = self._gather_rows(self.k_host, init_pos).to(self.device)
-        self.v_init = self._gather_rows(self.v_host, init_pos).to(self.device)
 
+        self.k_cap, self.q_cap = 0, 0
+        self._ensure_device_buffer(max(self.topk_counts()), 1)
+        self.dev_k[:, :, : self.n_init] = self._gather_rows(self.k_host, init_pos).to(self.device)
+        self.dev_v[:, :, : self.n_init] = self._gather_rows(self.v_host, init_pos).to(self.device)
         # Local window ring: slot = position % L, slot_pos = -1 while empty.
         self.slot_pos = torch.full((self.L,), -1, dtype=torch.long)
-        self.k_ring = torch.zeros((self.B, self.H, self.L, self.D), dtype=self.dtype, device=self.device)
-        self.v_ring = torch.zeros_like(self.k_ring)
         self._ring_write(self.k_host[:, :, :S], self.v_host[:, :, :S], 0)
 
+        self.blocks = None
+        # at most a quarter of the prefill: a device tier as large as the context would defeat the purpose
+        capacity = min(cfg.block_cache_tokens, S // 4 // cfg.block_size * cfg.block_size)
+        if capacity >= cfg.block_size:
+            self.blocks = BlockCache(self.B, self.H, self.D, self.dtype, self.device, cfg.block_size,
+                                     capacity, cfg.block_admit, cfg.cache_policy)
         self.prefilled = True
         iters = self.iters_for(max(self.n_real))
         self.stats["kmeans_iters"] = iters
-        self.pq_future = self.executor.submit(self._build_pq, S, iters)
+        self._submit(0, S, iters, kind="prefill")
+
+    def _ensure_device_buffer(self, k: int, q: int):
+        """Grow the [sinks | ring | top-k | new] buffer when the top-k or chunk outgrows it."""
+        if k <= self.k_cap and q <= self.q_cap:
+            return
+        k_cap, q_cap = max(k, self.k_cap + self.k_cap // 4), max(q, self.q_cap)
+        n = self.n_init + self.L + k_cap + q_cap
+        dev_k = torch.zeros((self.B, self.H, n, self.D), dtype=self.dtype, device=self.device)
+        dev_v = torch.zeros_like(dev_k)
+        if self.k_cap or self.q_cap:
+            keep = self.n_init + self.L
+            dev_k[:, :, :keep] = self.dev_k[:, :, :keep]
+            dev_v[:, :, :keep] = self.dev_v[:, :, :keep]
+        self.dev_k, self.dev_v, self.k_cap, self.q_cap = dev_k, dev_v, k_cap, q_cap
 
     def _gather_rows(self, t, pos):
         """t (B, H, cap, D) host, pos (B, n) -> (B, H, n, D)."""
@@ -178,32 +213,70 @@ class PQLayer(CacheLayerMixin):
             return
         first = max(0, Q - self.L)
         pos = torch.arange(start + first, start + Q)
-        slots = pos % self.L
-        self.k_ring[:, :, slots] = k[:, :, first:].to(self.device, non_blocking=True)
-        self.v_ring[:, :, slots] = v[:, :, first:].to(self.device, non_blocking=True)
-        self.slot_pos[slots] = pos
+        slots = self.n_init + pos % self.L
+        self.dev_k[:, :, slots] = k[:, :, first:].to(self.device, non_blocking=True)
+        self.dev_v[:, :, slots] = v[:, :, first:].to(self.device, non_blocking=True)
+        self.slot_pos[pos % self.L] = pos
 
-    def _build_pq(self, S: int, iters: int):
+    # ---- PQ builds (background) ----------------------------------------------------------------------
+    def _submit(self, start: int, end: int, iters: int, kind: str):
+        self.jobs.append((self.executor.submit(self._build, start, end, iters, kind), time.perf_counter()))
+
+    def _build(self, start: int, end: int, iters: int, kind: str):
+        """K-Means over the searchable tokens of [start, end) of each row; codes for [start, end)."""
         t0 = time.perf_counter()
-        cfg = self.config
-        m, C, d = cfg.m, cfg.n_centroids, self.D // cfg.m
-        cents = torch.empty((self.B, self.H, m, C, d), dtype=torch.float32)
-        searchable = self.searchable[:, :S].cpu()
-        for b in range(self.B):
-            rows = searchable[b].nonzero().squeeze(1)
-            for h in range(self.H):
-                keys = self.k_host[b, h, rows]
-                cents[b, h] = pq.train_centroids(keys, m, C, iters, cfg.metric, cfg.seed + 97 * h)
-        self.centroids = cents.to(self.device)
-        self.codes[..., :S] = pq.encode(self.k_host[:, :, :S].to(self.device), self.centroids, cfg.metric)
-        self.stats["pq_build_s"] = time.perf_counter() - t0
+        with self._span("host clustering"):
+            self._sync_host()
+            cfg = self.config
+            m, C, d = cfg.m, cfg.n_centroids, self.D // cfg.m
+            cents = torch.empty((self.B, self.H, m, C, d), dtype=torch.float32)
+            searchable = self.searchable[:, start:end].cpu()
+            for b in range(self.B):
+                rows = searchable[b].nonzero().squeeze(1) + start
+                for h in range(self.H):
+                    keys = self.k_host[b, h, rows]
+                    cents[b, h] = pq.train_centroids(keys, m, C, iters, cfg.metric, cfg.seed + 97 * h)
+            cents = cents.to(self.device)
+            codes = pq.encode(self.k_host[:, :, start:end].to(self.device), cents, cfg.metric)
+        return {"kind": kind, "start": start, "end": end, "centroids": cents, "codes": codes,
+                "seconds": time.perf_counter() - t0}
+
+    def _install(self, result: dict):
+        """Put a finished build in place (on the decoding thread, between steps)."""
+        start, end, cents = result["start"], result["end"], result["centroids"]
+        self.codes[..., start:end] = result["codes"]
+        if result["kind"] == "rebuild":
+            self.segments = [(0, cents)]
+            self.stats["rebuilds"] += 1
+        else:
+            self.segments = [s for s in self.segments if s[0] < start] + [(start, cents)]
+            if result["kind"] == "turn":
+                self.stats["turn_segments"] += 1
+        if self.S > end:  # tokens appended while it ran: code them with the segment they now belong to
+            last = self.segments[-1][1]
+            self.codes[..., end:self.S] = pq.encode(self.k_host[:, :, end:self.S].to(self.device), last,
+                                                    self.config.metric)
+        if result["kind"] == "prefill":
+            self.stats["pq_build_s"] = result["seconds"]
+
+    def _wait_jobs(self, block: bool = True):
+        remaining = []
+        for fut, submitted in self.jobs:
+            if not block and not fut.done():
+                remaining.append((fut, submitted))
+                continue
+            ready = fut.done()
+            t0 = time.perf_counter()
+            result = fut.result()
+            self.stats["pq_wait_s"] += time.perf_counter() - t0
+            if result["kind"] == "prefill":
+                self.stats["pq_ready_before_use"] = ready
+            self._install(result)
+        self.jobs = remaining
 
     def wait_pq(self):
-        if self.pq_future is not None:
-            t0 = time.perf_counter()
-            self.pq_future.result()
-            self.stats["pq_wait_s"] += time.perf_counter() - t0
-            self.pq_future = None
+        """Block until every PQ build of this layer is in place."""
+        self._wait_jobs(block=True)
 
     # ---- decode / chunk ----------------------------------------------------------------------------
     def topk_counts(self) -> list[int]:
@@ -214,65 +287,113 @@ class PQLayer(CacheLayerMixin):
             out.append(max(0, budget - n_init_b - self.n_local[b]))
         return out
 
-    def select(self, q: torch.Tensor, scaling: float):
-        """q (B, H, R, D) -> positions (B, H, k) and their validity (B, H, k) on the host tier."""
-        S, cfg = self.S, self.config
-        ks = self.topk_counts()
-        k_max = min(max(ks), S)
+    def candidates(self) -> torch.Tensor:
+        """(B, S) bool: middle tokens of each row (real, not a sink, older than the row's window)."""
+        S = self.S
         pos = torch.arange(S, device=self.device)
         local_start = torch.tensor([S - n for n in self.n_local], device=self.device)
-        cand = self.searchable[:, :S] & (pos[None, :] < local_start[:, None])  # (B, S)
+        return self.searchable[:, :S] & (pos[None, :] < local_start[:, None])
+
+    def approx_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """q (B, H, R, D), already scaled -> approximate scores (B, H, S, R), segment by segment."""
+        S = self.S
+        if len(self.segments) == 1:
+            return pq.approx_scores(pq.lookup_tables(q, self.segments[0][1]), self.codes[..., :S])
+        out = torch.empty((self.B, self.H, S, q.shape[2]), dtype=torch.float32, device=self.device)
+        bounds = [s for s, _ in self.segments[1:]] + [S]
+        for (start, cents), end in zip(self.segments, bounds):
+            out[:, :, start:end] = pq.approx_scores(pq.lookup_tables(q, cents), self.codes[..., start:end])
+        return out
+
+    def combine(self, scores: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
+        """scores (B, H, S, R) -> (B, H, S): GQA/chunk rows combined; non-candidates -inf."""
+        if self.config.gqa_combine == "softmax_sum":
+            neg = torch.finfo(scores.dtype).min
+            scores = scores.masked_fill(~cand[:, None, :, None], neg).softmax(dim=2).sum(-1)
+        else:
+            scores = scores.sum(-1)
+        return scores.masked_fill_(~cand[:, None, :], float("-inf"))
+
+    def select(self, q: torch.Tensor, scaling: float):
+        """q (B, H, R, D) -> positions (B, H, k) and their validity (B, H, k) on the host tier."""
+        ks = self.topk_counts()
+        k_max = min(max(ks), self.S)
+        cand = self.candidates()
         if k_max == 0 or not bool(cand.any()):
             empty = torch.zeros((self.B, self.H, 0), dtype=torch.long, device=self.device)
             return empty, empty.bool()
-        tables = pq.lookup_tables(q * scaling, self.centroids)  # (B, H, m, C, R)
-        scores = pq.approx_scores(tables, self.codes[..., :S])  # (B, H, S, R)
-        if cfg.gqa_combine == "softmax_sum":
-            neg = torch.finfo(scores.dtype).min
-            scores = scores.masked_fill_(~cand[:, None, :, None], neg).softmax(dim=2).sum(-1)
-        else:
-            scores = scores.sum(-1)
-        scores.masked_fill_(~cand[:, None, :], float("-inf"))  # (B, H, S)
+        scores = self.combine(self.approx_scores(q * scaling), cand)
         top, sel_valid = topk_positions(scores, ks, k_max)
         sel_valid = sel_valid & torch.gather(cand[:, None, :].expand(-1, self.H, -1), 2, top)
         return top, sel_valid
 
-    def fetch(self, top: torch.Tensor):
-        """Gather K/V of host positions top (B, H, k) -> (B, H, k, D) each, on the device."""
+    def fetch(self, top: torch.Tensor, valid: torch.Tensor, lo: int):
+        """K/V of host positions top (B, H, k) into the device buffer at [lo, lo + k):
+        block-cache hits from the device, misses from the host."""
         B, H, k = top.shape
         self._sync_host()
-        flat = (top.to(self.host) + (torch.arange(B * H) * self.cap).view(B, H, 1)).reshape(-1)
-        kk = self.k_host.view(B * H * self.cap, self.D).index_select(0, flat).view(B, H, k, self.D)
-        vv = self.v_host.view(B * H * self.cap, self.D).index_select(0, flat).view(B, H, k, self.D)
-        return kk.to(self.device, non_blocking=True), vv.to(self.device, non_blocking=True)
+        N = self.dev_k.shape[2]
+        dest = ((torch.arange(B * H, device=self.device) * N).view(B, H, 1) + lo
+                + torch.arange(k, device=self.device)).reshape(-1)  # rows of dev_k.view(-1, D)
+        ok, ov = self.dev_k.view(-1, self.D), self.dev_v.view(-1, self.D)
+        if self.blocks is not None:
+            slot = self.blocks.lookup(top)
+            hit = (slot >= 0) & valid
+        else:
+            slot, hit = None, torch.zeros_like(valid)
+        miss_rows = (~hit).reshape(-1).nonzero().squeeze(1)
+        hit_rows = hit.reshape(-1).nonzero().squeeze(1)
+        if hit_rows.numel():
+            hk, hv = self.blocks.read(slot, top, hit_rows)
+            ok[dest[hit_rows]], ov[dest[hit_rows]] = hk, hv
+        with self._span("copy to device"):
+            flat = (top.to(self.host) + (torch.arange(B * H) * self.cap).view(B, H, 1)).reshape(-1)
+            flat = flat[miss_rows.to(self.host)]
+            mk = self.k_host.view(-1, self.D).index_select(0, flat)
+            mv = self.v_host.view(-1, self.D).index_select(0, flat)
+            ok[dest[miss_rows]] = mk.to(self.device, non_blocking=True)
+            ov[dest[miss_rows]] = mv.to(self.device, non_blocking=True)
+        n_hits, n_miss = int(hit.sum()), int((valid & ~hit).sum())
+        self.stats["hits"] += n_hits
+        self.stats["misses"] += n_miss
+        el = self.dev_k.element_size()
+        moved = 2 * miss_rows.numel() * self.D * el
+        if self.blocks is not None:
+            admitted = self.blocks.admit(top, valid, self.k_host, self.v_host, self.S - max(self.n_local))
+            moved += 2 * admitted * self.D * el
+        if self.obs is not None:
+            self.obs.record_blocks(self.layer_idx, self.stats["steps"], n_hits, n_miss)
+            self.obs.moved("to_device", moved)
 
     def attend(self, query, new_valid, scaling, softcap=None):
         """query (B, Hq, Q, D); new_valid (B, Q) bool -> attention output (B, Q, Hq, D)."""
         k_new, v_new = self.pending
         self.pending = None
-        self.wait_pq()
+        self._wait_jobs(block=not self.segments)  # the first use waits; later builds swap in when done
         B, Hq, Q, D = query.shape
         H, G, S = self.H, Hq // self.H, self.S
         q = query.reshape(B, H, G * Q, D)  # query heads h*G..h*G+G-1 share KV head h
 
         top, top_valid = self.select(q, scaling)
-        k_mid, v_mid = self.fetch(top)
+        k = top.shape[2]
+        self._ensure_device_buffer(k, Q)
+        lo = self.n_init + self.L  # [sinks | ring | top-k | new]
+        self.fetch(top, top_valid, lo)
+        self.dev_k[:, :, lo + k:lo + k + Q] = k_new
+        self.dev_v[:, :, lo + k:lo + k + Q] = v_new
+        keys, values = self.dev_k[:, :, :lo + k + Q], self.dev_v[:, :, :lo + k + Q]
 
         slot_pos = self.slot_pos.to(self.device)
         local_start = torch.tensor([S - n for n in self.n_local], device=self.device)
         ring_valid = (slot_pos[None, :] >= local_start[:, None]) & (slot_pos[None, :] >= 0)
         ring_valid &= self.valid[:, :S].gather(1, slot_pos.clamp(min=0)[None, :].expand(B, -1))
-
-        keys = torch.cat([self.k_init, k_mid, self.k_ring, k_new], dim=2)  # (B, H, N, D)
-        values = torch.cat([self.v_init, v_mid, self.v_ring, v_new], dim=2)
-        n_ctx = self.n_init + top.shape[2] + self.L
         ctx_valid = torch.cat(
-            [self.init_valid[:, None, :].expand(B, H, -1), top_valid, ring_valid[:, None, :].expand(B, H, -1)], dim=2
-        )  # (B, H, n_ctx)
+            [self.init_valid[:, None, :].expand(B, H, -1), ring_valid[:, None, :].expand(B, H, -1), top_valid], dim=2
+        )  # (B, H, n_init + L + k)
         causal = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril()
         new_mask = causal[None, :, :] & new_valid[:, None, :]  # (B, Q, Q)
         mask = torch.cat(
-            [ctx_valid[:, :, None, :].expand(B, H, Q, n_ctx), new_mask[:, None].expand(B, H, Q, Q)], dim=3
+            [ctx_valid[:, :, None, :].expand(B, H, Q, lo + k), new_mask[:, None].expand(B, H, Q, Q)], dim=3
         )  # (B, H, Q, N)
 
         att = (q @ keys.transpose(-1, -2)).view(B, H, G, Q, -1) * scaling
@@ -284,6 +405,9 @@ class PQLayer(CacheLayerMixin):
         out = out.view(B, Hq, Q, D).transpose(1, 2)
 
         self.last_selection = (top, top_valid)
+        if self.obs is not None and (self.obs.wants_attention(self.stats["steps"])
+                                     or self.obs.wants_recall(self.stats["steps"])):
+            self._probe(q, scaling, top, top_valid, ring_valid)
         self._append(k_new, v_new, new_valid)
         self.stats["steps"] += 1
         return out
@@ -293,20 +417,60 @@ class PQLayer(CacheLayerMixin):
         self._write_host(k_new, v_new)
         self.valid[:, start:start + Q] = new_valid
         self.searchable[:, start:start + Q] = new_valid
-        self.codes[..., start:start + Q] = pq.encode(k_new, self.centroids, self.config.metric)
+        self.codes[..., start:start + Q] = pq.encode(k_new, self.segments[-1][1], self.config.metric)
         self._ring_write(k_new, v_new, start)
         self.n_real = [n + int(c) for n, c in zip(self.n_real, new_valid.sum(1).tolist())]
+        cfg = self.config
+        if Q >= cfg.turn_min_tokens:  # a new user turn: K-Means of its own, in the background
+            self._submit(start, start + Q, self.iters_for(Q), kind="turn")
+        elif Q == 1:
+            self.generated += 1
+            if cfg.rebuild_every and self.generated % cfg.rebuild_every == 0:
+                self._submit(0, self.S, self.iters_for(self.S), kind="rebuild")
+
+    # ---- instrumentation probe (sampled steps only) ------------------------------------------------
+    def _probe(self, q, scaling, top, top_valid, ring_valid):
+        """Exact scores of this step's queries: attention power law, and PQ top-k recall against the
+        exact top-k chosen by the same rule (same candidates, same combine, same k)."""
+        S, B, H = self.S, self.B, self.H
+        self._sync_host()
+        keys = self.k_host[:, :, :S].to(self.device, torch.float32)
+        exact = (q.float() * scaling) @ keys.transpose(-1, -2)  # (B, H, R, S)
+        valid = self.valid[:, :S]
+        probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)  # (B, H, R, S)
+        step = self.stats["steps"]
+        if self.obs.wants_attention(step):
+            self.obs.record_attention(self.layer_idx, step, probs.sort(-1, descending=True).values.mean((0, 1, 2)))
+        if not self.obs.wants_recall(step) or top.shape[2] == 0:
+            return
+        cand = self.candidates()
+        exact_comb = self.combine(exact.transpose(2, 3).contiguous(), cand)  # (B, H, S)
+        ks = self.topk_counts()
+        etop, evalid = topk_positions(exact_comb, ks, top.shape[2])
+        chosen = torch.zeros((B, H, S), dtype=torch.bool, device=self.device)
+        chosen.scatter_(2, top, top_valid)
+        exact_set = torch.zeros_like(chosen).scatter_(2, etop, evalid & torch.gather(
+            cand[:, None, :].expand(-1, H, -1), 2, etop))
+        inter = (chosen & exact_set).sum(-1).float()
+        topk_recall = (inter / exact_set.sum(-1).clamp(min=1)).mean(0)  # (H,)
+        attended = chosen.clone()
+        attended |= ~cand[:, None, :] & valid[:, None, :]  # sinks and window are attended too
+        mass = (probs * attended[:, :, None, :]).sum(-1).mean(-1).mean(0)  # (H,)
+        self.obs.record_recall(self.layer_idx, step, topk_recall.tolist(), mass.tolist(), int(top_valid.sum(-1).max()))
 
     # ---- accounting ----------------------------------------------------------------------------------
     def memory(self) -> dict:
-        """Bytes per tier: device (sinks + window + centroids + codes) and host (all K/V)."""
+        """Bytes per tier. Device: the [sinks | window | top-k | new] buffer, block cache, codes and
+        centroids (PQ). Host: all K/V."""
         if not self.prefilled:
             return {"device_kv_bytes": 0, "host_kv_bytes": 0, "pq_bytes": 0}
         el = torch.finfo(self.dtype).bits // 8
-        device_kv = (self.k_init.numel() + self.v_init.numel() + self.k_ring.numel() + self.v_ring.numel()) * el
+        device_kv = (self.dev_k.numel() + self.dev_v.numel()) * el
+        if self.blocks is not None:
+            device_kv += self.blocks.nbytes
         host_kv = 2 * self.B * self.H * self.S * self.D * el
         cfg = self.config
-        pq_bytes = self.B * self.H * (cfg.m * self.S + cfg.n_centroids * self.D * 4)
+        pq_bytes = self.B * self.H * (cfg.m * self.S + len(self.segments or [0]) * cfg.n_centroids * self.D * 4)
         return {"device_kv_bytes": device_kv, "host_kv_bytes": host_kv, "pq_bytes": pq_bytes}
 
 

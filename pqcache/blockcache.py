@@ -1,0 +1,106 @@
+"""Device block cache: hot blocks of host-tier tokens kept on the device, per (row, KV head).
+
+Tokens are grouped in fixed blocks (position // block_size). After each retrieval the complete
+blocks holding the most top-k tokens are admitted (up to `admit` per step), evicting by LRU (oldest
+last use) or LFU (fewest uses, then oldest). A fetch takes hits from the device and only misses
+from the host.
+
+Shapes: B rows, H KV heads, n slots of `bs` tokens, D head_dim, k retrieved tokens.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class BlockCache:
+    def __init__(self, B, H, D, dtype, device, block_size: int, capacity_tokens: int, admit: int, policy: str):
+        self.B, self.H, self.D, self.bs, self.policy = B, H, D, block_size, policy
+        self.n_slots = capacity_tokens // block_size
+        self.admit_max = min(admit, self.n_slots)
+        self.device = device
+        self.k = torch.zeros((B, H, self.n_slots, block_size, D), dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.slot_block = torch.full((B, H, self.n_slots), -1, dtype=torch.long, device=device)
+        self.last_used = torch.full((B, H, self.n_slots), -1, dtype=torch.long, device=device)
+        self.uses = torch.zeros((B, H, self.n_slots), dtype=torch.long, device=device)
+        # block id -> slot (-1: not cached); one spare column is a sink for masked scatters
+        self.block_slot = torch.full((B, H, 1), -1, dtype=torch.long, device=device)
+        self.step = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def _grow(self, n_blocks: int):
+        have = self.block_slot.shape[2] - 1
+        if n_blocks > have:
+            new = torch.full((self.B, self.H, max(n_blocks, 2 * have) + 1), -1, dtype=torch.long, device=self.device)
+            new[..., :have] = self.block_slot[..., :have]
+            self.block_slot = new
+
+    def lookup(self, top: torch.Tensor) -> torch.Tensor:
+        """top (B, H, k) positions -> slot (B, H, k), -1 for a miss."""
+        blk = top // self.bs
+        self._grow(int(blk.max()) + 1 if blk.numel() else 0)
+        return self.block_slot.gather(2, blk)
+
+    def read(self, slot: torch.Tensor, top: torch.Tensor, rows: torch.Tensor):
+        """K/V of hits: slot, top (B, H, k); rows: flat indices (into B*H*k) of the hits -> (n, D) each."""
+        B, H, k = top.shape
+        bh = torch.arange(B * H, device=self.device).view(B, H, 1)
+        flat = ((bh * self.n_slots + slot.clamp(min=0)) * self.bs + top % self.bs).reshape(-1)[rows]
+        return self.k.view(-1, self.D)[flat], self.v.view(-1, self.D)[flat]
+
+    def admit(self, top, valid, k_host, v_host, n_complete_tokens: int) -> int:
+        """Update use stats and admit the top blocks of this retrieval. Returns tokens copied in."""
+        self.step += 1
+        B, H, _ = top.shape
+        n_blocks = n_complete_tokens // self.bs  # only full blocks: a partial one would go stale
+        if self.n_slots == 0 or n_blocks == 0:
+            return 0
+        self._grow(n_blocks)
+        blk = torch.where(valid, top // self.bs, torch.full_like(top, self.block_slot.shape[2] - 1))
+        counts = torch.zeros((B, H, self.block_slot.shape[2]), dtype=torch.long, device=self.device)
+        counts.scatter_add_(2, blk, valid.long())
+        counts[..., n_blocks:] = 0
+
+        # cached blocks that served this retrieval: one more use, used now
+        served = self.slot_block.clamp(min=0)
+        used = (self.slot_block >= 0) & (counts.gather(2, served) > 0)
+        self.uses += used.long()
+        self.last_used = torch.where(used, torch.full_like(self.last_used, self.step), self.last_used)
+
+        counts = counts.masked_fill(self.block_slot >= 0, 0)  # already cached
+        cand_count, cand_blk = counts[..., :n_blocks].topk(min(self.admit_max, n_blocks), dim=-1)
+        n = cand_blk.shape[2]
+        if self.policy == "lru":
+            priority = self.last_used.float()
+        else:  # lfu: fewest uses first, the older of equals first
+            priority = self.uses.float() * (self.step + 1) + self.last_used.float()
+        priority = priority.masked_fill(self.slot_block < 0, -1.0)  # empty slots go first
+        victims = priority.topk(n, dim=-1, largest=False).indices  # (B, H, n)
+        do = cand_count > 0
+        if not bool(do.any()):
+            return 0
+        sink = self.block_slot.shape[2] - 1
+        old = self.slot_block.gather(2, victims)
+        self.block_slot.scatter_(2, torch.where(do & (old >= 0), old, torch.full_like(old, sink)), -1)
+        self.block_slot.scatter_(2, torch.where(do, cand_blk, torch.full_like(cand_blk, sink)), victims)
+        self.block_slot[..., sink] = -1
+        self.slot_block.scatter_(2, victims, torch.where(do, cand_blk, old))
+        self.uses.scatter_(2, victims, torch.where(do, torch.ones_like(old), self.uses.gather(2, victims)))
+        self.last_used.scatter_(2, victims, torch.where(do, torch.full_like(old, self.step),
+                                                         self.last_used.gather(2, victims)))
+        # copy the admitted blocks from the host tier
+        b_i, h_i, j_i = do.nonzero(as_tuple=True)
+        if b_i.numel():
+            pos = cand_blk[b_i, h_i, j_i].cpu()[:, None] * self.bs + torch.arange(self.bs)  # (n, bs)
+            bh = (b_i.cpu() * H + h_i.cpu())[:, None]
+            cap = k_host.shape[2]
+            flat = (bh * cap + pos).reshape(-1)
+            kk = k_host.view(-1, self.D).index_select(0, flat).view(-1, self.bs, self.D)
+            vv = v_host.view(-1, self.D).index_select(0, flat).view(-1, self.bs, self.D)
+            s_i = victims[b_i, h_i, j_i]
+            self.k[b_i, h_i, s_i] = kk.to(self.device, non_blocking=True)
+            self.v[b_i, h_i, s_i] = vv.to(self.device, non_blocking=True)
+        return int(b_i.numel()) * self.bs

@@ -1,0 +1,97 @@
+"""Instrumentation: an observer that records what the cache does, as plain data for viz/.
+
+Attach with `cache.instrument(Instrumentation(...))`. Off by default; when attached it only reads
+tensors (exact scores are computed only at the sampled steps that ask for them), so generated
+tokens are the same with it on or off.
+
+Records
+  events     timeline spans: lane ("device compute", "host clustering", "copy to host",
+             "copy to device"), layer, start, end (seconds since the observer started)
+  attention  per layer at sampled steps: sorted attention probabilities (mean over heads), log-sampled
+  recall     per layer and KV head at sampled steps: PQ top-k recall of the exact top-k, and the
+             share of the exact attention mass that the attended tokens carry
+  blocks     per layer and step: block-cache hits and misses of the retrieved tokens
+  bytes      bytes moved to the host tier and to the device tier
+"""
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+
+import torch
+
+LANES = ("device compute", "host clustering", "copy to host", "copy to device")
+
+
+class Instrumentation:
+    def __init__(self, timeline: bool = True, attention_every: int = 0, recall_every: int = 0,
+                 max_events: int = 50_000, n_sorted: int = 64):
+        self.timeline = timeline
+        self.attention_every = attention_every
+        self.recall_every = recall_every
+        self.max_events = max_events
+        self.n_sorted = n_sorted
+        self.t0 = time.perf_counter()
+        self.sync = None  # set by the cache: makes device spans end when the device work ends
+        self._lock = threading.Lock()
+        self.events: list[dict] = []
+        self.attention: list[dict] = []
+        self.recall: list[dict] = []
+        self.blocks: list[dict] = []
+        self.bytes = {"to_host": 0, "to_device": 0}
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def event(self, lane: str, layer: int, start: float, end: float, **extra):
+        if not self.timeline:
+            return
+        with self._lock:
+            if len(self.events) < self.max_events:
+                self.events.append({"lane": lane, "layer": layer, "start": start, "end": end, **extra})
+
+    @contextmanager
+    def span(self, lane: str, layer: int, **extra):
+        start = self.now()
+        try:
+            yield
+        finally:
+            if self.sync is not None and lane != "host clustering":
+                self.sync()
+            self.event(lane, layer, start, self.now(), **extra)
+
+    def moved(self, direction: str, nbytes: int):
+        with self._lock:
+            self.bytes[direction] += int(nbytes)
+
+    def wants_attention(self, step: int) -> bool:
+        return self.attention_every > 0 and step % self.attention_every == 0
+
+    def wants_recall(self, step: int) -> bool:
+        return self.recall_every > 0 and step % self.recall_every == 0
+
+    def record_attention(self, layer: int, step: int, probs_sorted: torch.Tensor):
+        """probs_sorted (S,) descending: kept at log-spaced ranks for a power-law plot."""
+        n = probs_sorted.numel()
+        ranks = torch.unique(torch.logspace(0, torch.log10(torch.tensor(float(max(n, 1)))), self.n_sorted).long()) - 1
+        ranks = ranks[ranks < n]
+        self.attention.append({"layer": layer, "step": step, "n_tokens": n, "rank": (ranks + 1).tolist(),
+                               "prob": probs_sorted[ranks].tolist()})
+
+    def record_recall(self, layer: int, step: int, topk_recall: list[float], mass_recall: list[float], k: int):
+        self.recall.append({"layer": layer, "step": step, "k": k, "topk_recall": topk_recall,
+                            "mass_recall": mass_recall})
+
+    def record_blocks(self, layer: int, step: int, hits: int, misses: int):
+        self.blocks.append({"layer": layer, "step": step, "hits": hits, "misses": misses})
+
+    def hit_rate(self, layer: int | None = None) -> float | None:
+        rows = [b for b in self.blocks if layer is None or b["layer"] == layer]
+        total = sum(b["hits"] + b["misses"] for b in rows)
+        return sum(b["hits"] for b in rows) / total if total else None
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            return {"lanes": list(LANES), "events": list(self.events), "attention": list(self.attention),
+                    "recall": list(self.recall), "blocks": list(self.blocks), "bytes": dict(self.bytes)}

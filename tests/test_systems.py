@@ -1,0 +1,209 @@
+"""Tiers, overlap, block cache, rebuilds and turns, instrumentation."""
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pqcache import PQCache, PQCacheConfig, pq
+from pqcache.blockcache import BlockCache
+from pqcache.instrument import Instrumentation
+
+from .conftest import tiny_model
+
+SMALL = dict(n_init=4, kmeans_iters=5, bits=4, block_size=16, block_cache_tokens=64, block_admit=2)
+
+
+def _greedy(model, ids, cache, n=8):
+    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True,
+                         return_dict_in_generate=True, cache=cache, pad_token_id=0)
+    return out.sequences, torch.stack(out.scores)
+
+
+def test_instrumentation_leaves_outputs_unchanged():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(0))
+    cfg = PQCacheConfig(token_budget=0.2, **SMALL)
+    with torch.no_grad():
+        seq_off, scores_off = _greedy(model, ids, PQCache(model, cfg))
+        cache = PQCache(model, cfg)
+        obs = cache.instrument(attention_every=1, recall_every=1)
+        seq_on, scores_on = _greedy(model, ids, cache)
+    assert torch.equal(seq_on, seq_off)
+    assert torch.equal(scores_on, scores_off)
+    data = obs.to_dict()
+    json.dumps(data)  # plain data
+    assert {e["lane"] for e in data["events"]} >= {"device compute", "host clustering", "copy to host",
+                                                   "copy to device"}
+    assert data["attention"] and data["recall"] and data["blocks"]
+    assert data["bytes"]["to_host"] > 0 and data["bytes"]["to_device"] > 0
+
+
+def test_instrumentation_off_by_default():
+    model = tiny_model("llama")
+    cache = PQCache(model, PQCacheConfig(token_budget=0.2, **SMALL))
+    assert cache.observer is None and all(layer.obs is None for layer in cache.pq_layers)
+    obs = cache.instrument(timeline=True)
+    assert all(layer.obs is obs for layer in cache.pq_layers)
+    cache.instrument(None)
+    assert cache.observer is None and all(layer.obs is None for layer in cache.pq_layers)
+    with torch.no_grad():
+        model(torch.randint(1, 96, (1, 50)), cache=cache)
+    assert obs.events == []  # detached: nothing recorded
+
+
+def test_recall_and_attention_records():
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full = PQCache(model, PQCacheConfig(token_budget=1.0, **SMALL))
+        obs_full = full.instrument(attention_every=2, recall_every=2)
+        _greedy(model, ids, full, n=5)
+        small = PQCache(model, PQCacheConfig(token_budget=0.1, **SMALL))
+        obs_small = small.instrument(recall_every=1)
+        _greedy(model, ids, small, n=5)
+    for rec in obs_full.recall:  # the whole context is attended: recall and mass are 1
+        assert rec["topk_recall"] == pytest.approx([1.0] * 2)
+        assert rec["mass_recall"] == pytest.approx([1.0] * 2, abs=1e-5)
+    for att in obs_full.attention:
+        probs = att["prob"]
+        assert probs == sorted(probs, reverse=True) and 0 < probs[0] <= 1
+        assert att["rank"][0] == 1 and att["n_tokens"] >= 400
+    steps = {r["step"] for r in obs_full.recall}
+    assert steps == {0, 2}  # sampled every 2nd of the 4 decode steps
+    for rec in obs_small.recall:
+        assert all(0 <= r <= 1 for r in rec["topk_recall"])
+        assert all(0 < m < 1 for m in rec["mass_recall"])  # a 1/10 budget misses some mass
+
+
+def test_clustering_overlaps_later_layers_compute():
+    """Layer i's K-Means runs in the background while layers > i compute (recorded timeline)."""
+    model = tiny_model("llama")
+    cache = PQCache(model, PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=25, bits=6))
+    obs = cache.instrument(timeline=True)
+    with torch.no_grad():
+        model(torch.randint(1, 96, (1, 3000), generator=torch.Generator().manual_seed(2)), cache=cache)
+    cache.wait()
+    ev = obs.to_dict()["events"]
+    clusters = [e for e in ev if e["lane"] == "host clustering"]
+    computes = [e for e in ev if e["lane"] == "device compute"]
+    assert len(clusters) == len(cache.pq_layers)
+    overlaps = [(c["layer"], d["layer"]) for c in clusters for d in computes
+                if d["layer"] > c["layer"] and c["start"] < d["end"] and d["start"] < c["end"]]
+    assert overlaps, (clusters, computes)
+    assert cache.pq_layers[0].stats["kmeans_iters"] == 25
+
+
+def _cache(policy, n_slots=2, bs=4):
+    return BlockCache(1, 1, 2, torch.float32, torch.device("cpu"), bs, n_slots * bs, admit=1, policy=policy)
+
+
+def _retrieve(bc, k_host, v_host, blocks, bs=4):
+    top = torch.tensor([[[b * bs + i for b in blocks for i in range(bs)]]])
+    valid = torch.ones_like(top, dtype=torch.bool)
+    slot = bc.lookup(top)
+    bc.admit(top, valid, k_host, v_host, n_complete_tokens=k_host.shape[2])
+    return (slot >= 0).sum().item()
+
+
+@pytest.mark.parametrize("policy,victim", [("lru", 0), ("lfu", 1)])
+def test_block_cache_eviction_order(policy, victim):
+    """Blocks 0 and 1 cached; block 0 used 3 times long ago, block 1 once recently. Admitting block 2
+    evicts the least recently used (LRU: block 0) or the least frequently used (LFU: block 1)."""
+    k_host = torch.arange(64, dtype=torch.float32).view(1, 1, 32, 2)
+    bc = _cache(policy)
+    for blocks in ([0], [0], [0], [1]):
+        _retrieve(bc, k_host, k_host, blocks)
+    assert set(bc.slot_block.flatten().tolist()) == {0, 1}
+    _retrieve(bc, k_host, k_host, [2])
+    assert set(bc.slot_block.flatten().tolist()) == {0, 1, 2} - {victim}
+    assert _retrieve(bc, k_host, k_host, [2]) == 4  # block 2 now hits, all 4 tokens
+    slot = bc.slot_block[0, 0].tolist().index(2)
+    assert torch.equal(bc.k[0, 0, slot], k_host[0, 0, 8:12])  # with block 2's data
+
+
+def test_block_cache_serves_hits_with_the_right_data():
+    model = tiny_model("mistral")
+    ids = torch.randint(1, 96, (1, 600), generator=torch.Generator().manual_seed(3))
+    cfg_on = PQCacheConfig(token_budget=0.2, **SMALL)
+    cfg_off = PQCacheConfig(token_budget=0.2, **{**SMALL, "block_cache_tokens": 0})
+    with torch.no_grad():
+        seq_on, scores_on = _greedy(model, ids, cache_on := PQCache(model, cfg_on), n=10)
+        seq_off, scores_off = _greedy(model, ids, PQCache(model, cfg_off), n=10)
+    assert torch.equal(seq_on, seq_off)
+    torch.testing.assert_close(scores_on, scores_off, rtol=0, atol=0)  # hits carry the same K/V
+    layer = cache_on.pq_layers[0]
+    assert layer.stats["hits"] > 0 and layer.stats["misses"] > 0
+    top, valid = layer.last_selection
+    assert layer.blocks.n_slots == 4
+
+
+def test_rebuild_every_n_tokens():
+    model = tiny_model("llama")
+    ids = torch.randint(1, 96, (1, 200), generator=torch.Generator().manual_seed(4))
+    cfg = PQCacheConfig(token_budget=1.0, n_local=8, rebuild_every=4, **SMALL)
+    with torch.no_grad():
+        ref_seq, ref_scores = _greedy(model, ids, DynamicCache(config=model.config), n=12)
+        cache = PQCache(model, cfg)
+        seq, scores = _greedy(model, ids, cache, n=12)
+    cache.wait()
+    layer = cache.pq_layers[0]
+    assert layer.stats["rebuilds"] >= 2
+    assert len(layer.segments) == 1
+    S = layer.S
+    codes = pq.encode(layer.k_host[:, :, :S], layer.segments[0][1], "l2")
+    assert torch.equal(layer.codes[..., :S], codes)  # every token coded by the rebuilt centroids
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)  # still exact at full budget
+
+
+def test_new_turn_gets_its_own_codebook():
+    model = tiny_model("gemma3")
+    g = torch.Generator().manual_seed(5)
+    doc, turn = torch.randint(1, 96, (1, 300), generator=g), torch.randint(1, 96, (1, 40), generator=g)
+    cache = PQCache(model, PQCacheConfig(token_budget=0.3, turn_min_tokens=32, **SMALL))
+    with torch.no_grad():
+        model(doc, cache=cache)
+        model(turn, cache=cache)
+        cache.wait()
+        model(torch.tensor([[7]]), cache=cache)
+    layer = cache.pq_layers[0]
+    assert [start for start, _ in layer.segments] == [0, 300]
+    assert layer.stats["turn_segments"] == 1
+    seg_codes = pq.encode(layer.k_host[:, :, 300:340], layer.segments[1][1], "l2")
+    assert torch.equal(layer.codes[..., 300:340], seg_codes)
+    assert layer.S == 341
+
+
+def test_pq_ready_flag_and_iterations_in_stats():
+    model = tiny_model("llama")
+    cache = PQCache(model, PQCacheConfig(token_budget=0.2, **SMALL))
+    with torch.no_grad():
+        _greedy(model, torch.randint(1, 96, (1, 120)), cache, n=3)
+    stats = cache.stats()
+    assert stats["kmeans_iters"] == 5
+    for row in stats["layers"]:
+        assert row["pq_ready_before_use"] in (True, False)
+        assert row["pq_build_s"] > 0
+
+
+def test_device_map_places_tiers_on_each_layers_device(tmp_path):
+    """Placement through accelerate: each PQ layer's tiers live on its own layer's device."""
+    from pqcache import load_model
+
+    model = tiny_model("llama")
+    model.save_pretrained(tmp_path)
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+                            ).save_pretrained(tmp_path)
+    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
+                  "model.layers.2": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    loaded, _ = load_model(str(tmp_path), device_map=device_map)
+    cache = PQCache(loaded, PQCacheConfig(token_budget=0.2, **SMALL))
+    with torch.no_grad():
+        _greedy(loaded, torch.randint(1, 96, (1, 100)), cache, n=2)
+    for layer in cache.pq_layers:
+        param_device = next(loaded.model.layers[layer.layer_idx].parameters()).device
+        assert layer.device == param_device == layer.dev_k.device == layer.codes.device
+        assert layer.k_host.device.type == "cpu"
