@@ -11,11 +11,13 @@ from .config import PQCacheConfig
 from .layer import PQLayer
 
 
-def _median_ms(fn, repeats: int) -> float:
+def _median_ms(fn, repeats: int, sync=None) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
+        if sync is not None:  # CUDA: time the work, not the launch
+            sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
 
@@ -32,31 +34,36 @@ class _InlineExecutor:
 
 
 def filled_layer(keys, values, config: PQCacheConfig, iters: int = 10) -> PQLayer:
-    """A PQLayer prefilled with keys/values (B, H, S, D), PQ built."""
+    """A PQLayer prefilled with keys/values (B, H, S, D) (on the compute device), PQ built."""
     layer = PQLayer(config, 0, _InlineExecutor(), lambda s: iters)
     layer.update(keys, values)
-    layer.finish_prefill(torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool))
+    layer.finish_prefill(torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device))
     layer.wait_pq()
     return layer
 
 
 def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128, budget=0.1,
-                    m=2, bits=6, repeats=15, seed=0) -> list[dict]:
+                    m=2, bits=6, repeats=15, seed=0, device="cpu", dtype=torch.float32) -> list[dict]:
     """One decode step of one layer (Llama-3.1-8B head shapes): dense SDPA over s tokens against the
     PQCache step (PQ search + top-k + gather + attention + appending the new token). The block cache
     is off here: on a CPU the device and host tiers are the same memory (see `bench blockcache`)."""
     gen = torch.Generator().manual_seed(seed)
     rows = []
     scaling = head_dim ** -0.5
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else None
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+
     for s in seq_lens:
-        keys = torch.randn(1, n_kv, s, head_dim, generator=gen)
-        values = torch.randn(1, n_kv, s, head_dim, generator=gen)
+        keys = rand(1, n_kv, s, head_dim)
+        values = rand(1, n_kv, s, head_dim)
         cfg = PQCacheConfig(m=m, bits=bits, token_budget=budget, kmeans_iters=10, block_cache_tokens=0)
         layer = filled_layer(keys, values, cfg)
-        q = torch.randn(1, n_q, 1, head_dim, generator=gen)
-        k_new = torch.randn(1, n_kv, 1, head_dim, generator=gen)
-        v_new = torch.randn(1, n_kv, 1, head_dim, generator=gen)
-        valid = torch.ones(1, 1, dtype=torch.bool)
+        q = rand(1, n_q, 1, head_dim)
+        k_new = rand(1, n_kv, 1, head_dim)
+        v_new = rand(1, n_kv, 1, head_dim)
+        valid = torch.ones(1, 1, dtype=torch.bool, device=device)
 
         def dense():
             F.scaled_dot_product_attention(q, keys, values, scale=scaling, enable_gqa=True)
@@ -72,10 +79,143 @@ def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128,
             fn()
         dense_ms, pq_ms, search_ms = [], [], []
         for _ in range(repeats):  # interleaved, so machine noise hits both alike
-            dense_ms.append(_median_ms(dense, 1))
-            pq_ms.append(_median_ms(pq_step, 1))
-            search_ms.append(_median_ms(search, 1))
+            dense_ms.append(_median_ms(dense, 1, sync))
+            pq_ms.append(_median_ms(pq_step, 1, sync))
+            search_ms.append(_median_ms(search, 1, sync))
         d, p, sr = (statistics.median(x) for x in (dense_ms, pq_ms, search_ms))
         rows.append({"seq_len": s, "dense_ms": round(d, 3), "pqcache_ms": round(p, 3),
                      "speedup": round(d / p, 2), "search_share": round(min(sr / p, 1.0), 3)})
+    return rows
+
+
+def bench_decode(seq_lens=(4096, 32768), budget_tokens=1024, shapes="llama", repeats=15, device="cpu",
+                 dtype=torch.float32) -> list[dict]:
+    """Decode attention cost per step as the context grows, at a fixed token budget: dense grows
+    with s, the PQCache step only through the PQ scan over the codes."""
+    n_q, n_kv, head_dim = SHAPES[shapes]
+    rows = bench_attention(seq_lens, n_q=n_q, n_kv=n_kv, head_dim=head_dim, budget=budget_tokens, repeats=repeats,
+                           device=device, dtype=dtype)
+    base = rows[0]
+    for r in rows:
+        r["dense_growth"] = round(r["dense_ms"] / base["dense_ms"], 2)
+        r["pqcache_growth"] = round(r["pqcache_ms"] / base["pqcache_ms"], 2)
+    return rows
+
+
+SHAPES = {"llama": (32, 8, 128), "gemma": (4, 1, 256)}  # (query heads, KV heads, head_dim)
+
+
+def _ids(tokenizer, n: int) -> torch.Tensor:
+    from .passkey import passkey_context
+
+    text = passkey_context("68422", n_filler=max(1, n // 22))
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    while ids.shape[1] < n:
+        ids = torch.cat([ids, ids[:, 1:]], 1)
+    return ids[:, :n]
+
+
+@torch.no_grad()
+def bench_ttft(model, tokenizer, seq_lens=(8192,), config: PQCacheConfig | None = None, repeats: int = 1):
+    """Time to first token, full attention against PQCache (prefill, then until every layer's PQ
+    is built: the cache is ready for the next token). Run alternately, best of `repeats`."""
+    from transformers import DynamicCache
+
+    from .cache import PQCache
+
+    config = config or PQCacheConfig()
+    device = next(model.parameters()).device
+    model(_ids(tokenizer, 64).to(device), logits_to_keep=1)  # warm-up
+    rows = []
+    for s in seq_lens:
+        ids = _ids(tokenizer, s).to(device)
+        full, pqs, info = [], [], {}
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(ids, cache=DynamicCache(config=model.config), logits_to_keep=1).logits.argmax(-1)
+            full.append(time.perf_counter() - t0)
+            cache = PQCache(model, config)
+            t0 = time.perf_counter()
+            model(ids, cache=cache, logits_to_keep=1).logits.argmax(-1)
+            prefill_s = time.perf_counter() - t0
+            cache.wait()
+            pqs.append(time.perf_counter() - t0)
+            st = cache.stats()
+            info = {"kmeans_iters": st["kmeans_iters"], "pq_prefill_only_s": round(prefill_s, 3),
+                    "pq_ready_before_use": all(r["pq_ready_before_use"] for r in st["layers"])}
+            cache.close()
+        f, p = min(full), min(pqs)
+        rows.append({"seq_len": s, "full_s": round(f, 3), "pqcache_s": round(p, 3), "ratio": round(p / f, 3), **info})
+    return rows
+
+
+def _config_for(name: str):
+    from transformers import AutoConfig, LlamaConfig
+
+    if name == "llama-3.1-8b":
+        return LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                           num_hidden_layers=32, intermediate_size=14336, vocab_size=128256), torch.bfloat16
+    from .loading import prepare_default_model
+
+    return AutoConfig.from_pretrained(prepare_default_model(lambda *_: None)), torch.float32
+
+
+def bench_memory(seq_lens=(16384,), budgets=(0.2, 0.1), models=("gemma3-270m", "llama-3.1-8b")) -> list[dict]:
+    """Device-tier KV bytes of PQCache against full attention's, measured on caches filled through
+    their update() with tensors of the model's shapes (no weights needed)."""
+    from transformers import DynamicCache
+
+    from .cache import PQCache
+
+    rows = []
+    for name in models:
+        mconf, dtype = _config_for(name)
+        text = mconf.get_text_config(decoder=True)
+        H, D = text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        for s in seq_lens:
+            k = torch.randn(1, H, s, D, dtype=dtype)
+            full = DynamicCache(config=mconf)
+            for i in range(len(full.layers)):
+                full.update(k, k, i)
+            full_bytes = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in full.layers)
+            del full
+            for budget in budgets:
+                cache = PQCache(mconf, PQCacheConfig(token_budget=budget, kmeans_iters=1))
+                for i, layer in enumerate(cache.layers):
+                    cache.update(k, k, i)
+                    if hasattr(layer, "finish_prefill"):
+                        layer.finish_prefill(torch.ones(1, s, dtype=torch.bool))
+                cache.wait()
+                st = cache.stats()
+                cache.close()
+                rows.append({"model": name, "budget": budget, "seq_len": s, "full_device_bytes": full_bytes,
+                             "pqcache_device_bytes": st["device_kv_bytes"], "pq_bytes": st["pq_bytes"],
+                             "host_bytes": st["host_kv_bytes"],
+                             "ratio": round(st["device_kv_bytes"] / full_bytes, 4)})
+                del cache
+    return rows
+
+
+@torch.no_grad()
+def bench_blockcache(model, tokenizer, seq_len=4096, new_tokens=256, capacities=(512, 1024),
+                     policies=("lru", "lfu"), budget=0.2) -> list[dict]:
+    """Block-cache hit rate over a generation on a long document, per policy and capacity."""
+    from .cache import PQCache
+    from .generate import decode_one_token, prefill
+
+    device = next(model.parameters()).device
+    ids = _ids(tokenizer, seq_len).to(device)
+    rows = []
+    for capacity in capacities:
+        for policy in policies:
+            cfg = PQCacheConfig(token_budget=budget, block_cache_tokens=capacity, cache_policy=policy)
+            cache = PQCache(model, cfg)
+            obs = cache.instrument(timeline=False)
+            logits = prefill(model, ids, cache)
+            for _ in range(new_tokens):
+                logits = decode_one_token(model, logits.argmax(-1, keepdim=True), cache)
+            per_layer = {layer.layer_idx: round(obs.hit_rate(layer.layer_idx) or 0.0, 4) for layer in cache.pq_layers}
+            rows.append({"policy": policy, "capacity_tokens": capacity, "seq_len": seq_len, "new_tokens": new_tokens,
+                         "hit_rate": round(obs.hit_rate() or 0.0, 4), "per_layer": per_layer})
+            cache.close()
     return rows

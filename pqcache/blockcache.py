@@ -1,8 +1,9 @@
 """Device block cache: hot blocks of host-tier tokens kept on the device, per (row, KV head).
 
 Tokens are grouped in fixed blocks (position // block_size). After each retrieval the complete
-blocks holding the most top-k tokens are admitted (up to `admit` per step), evicting by LRU (oldest
-last use) or LFU (fewest uses, then oldest). A fetch takes hits from the device and only misses
+blocks holding the most top-k tokens are admitted (up to `admit` per step, and never more than half
+the slots, so that what stays is the policy's choice), evicting by LRU (oldest last use) or LFU
+(fewest uses, then oldest). A fetch takes hits from the device and only misses
 from the host.
 
 Shapes: B rows, H KV heads, n slots of `bs` tokens, D head_dim, k retrieved tokens.
@@ -16,7 +17,8 @@ class BlockCache:
     def __init__(self, B, H, D, dtype, device, block_size: int, capacity_tokens: int, admit: int, policy: str):
         self.B, self.H, self.D, self.bs, self.policy = B, H, D, block_size, policy
         self.n_slots = capacity_tokens // block_size
-        self.admit_max = min(admit, self.n_slots)
+        # at most half the slots change per step: the other half is what the eviction policy keeps
+        self.admit_max = max(1, min(admit, self.n_slots // 2))
         self.device = device
         self.k = torch.zeros((B, H, self.n_slots, block_size, D), dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)

@@ -156,4 +156,5 @@ class PQCache(Cache):
         return total
 
     def close(self):
+        self.instrument(None)
         self.executor.shutdown(wait=True)

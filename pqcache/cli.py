@@ -40,13 +40,26 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
     g.add_argument("--n-local", type=int, default=None)
     g.add_argument("--kmeans-iters", type=_iters, default="auto")
+    g.add_argument("--block-cache-tokens", type=int, default=PQCacheConfig.block_cache_tokens,
+                   help="device block cache per layer, in tokens (0: off)")
+    g.add_argument("--cache-policy", default=PQCacheConfig.cache_policy, choices=["lru", "lfu"])
     g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("which", choices=["attention"])
+    b.add_argument("which", choices=["attention", "decode", "ttft", "memory", "blockcache"])
     b.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=None)
-    b.add_argument("--repeats", type=int, default=15)
-    b.add_argument("--json", action="store_true")
+    b.add_argument("--repeats", type=int, default=None)
+    b.add_argument("--shapes", choices=["llama", "gemma"], default="llama", help="decode: head shapes")
+    b.add_argument("--new-tokens", type=int, default=256, help="blockcache: tokens generated")
+    b.add_argument("--model", default="default", help="ttft, blockcache: the model")
+    b.add_argument("--device", default="auto")
+    b.add_argument("--json", action="store_true", help='print one object {"rows": [...]}')
+
+    c = sub.add_parser("calibrate", help="fit the adaptive K-Means iteration rule on this machine")
+    c.add_argument("--model", default="default")
+    c.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=[512, 1024, 2048, 4096])
+    c.add_argument("--device", default="auto")
+    c.add_argument("--json", action="store_true")
     return p
 
 
@@ -61,7 +74,8 @@ def cmd_generate(args) -> int:
         except OSError as exc:
             raise SystemExit(f"error: cannot read --context-file {args.context_file}: {exc.strerror}")
     config = PQCacheConfig(m=args.m, bits=args.bits, token_budget=args.token_budget, n_init=args.n_init,
-                           n_local=args.n_local, kmeans_iters=args.kmeans_iters)
+                           n_local=args.n_local, kmeans_iters=args.kmeans_iters,
+                           block_cache_tokens=args.block_cache_tokens, cache_policy=args.cache_policy)
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
     prompt = build_prompt(tok, context, args.question)
     printed = [0]
@@ -83,30 +97,88 @@ def cmd_generate(args) -> int:
     return 0
 
 
+TITLES = {
+    "attention": "one decode step, one layer, 32 q heads / 8 KV heads / head_dim 128, budget 1/10, m=2 bits=6",
+    "decode": "decode attention per step at a fixed budget of 1024 tokens, as the context grows",
+    "ttft": "time to first token (prefill, then until every layer's PQ is built), bundled model",
+    "memory": "device-tier KV bytes, PQCache against full attention",
+    "blockcache": "device block-cache hit rate of the retrieved tokens over a generation",
+}
+
+
+def _table(rows: list[dict]) -> str:
+    cols = [c for c in rows[0] if not isinstance(rows[0][c], dict)]
+    cells = [[str(r[c]) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
 def cmd_bench(args) -> int:
     from . import bench
 
-    if args.which == "attention":
-        kw = {"repeats": args.repeats}
-        if args.seq_lens:
-            kw["seq_lens"] = args.seq_lens
-        rows = bench.bench_attention(**kw)
-        if args.json:
-            print(json.dumps({"rows": rows}))
+    kw = {}
+    if args.seq_lens:
+        kw["seq_lens"] = args.seq_lens
+    if args.repeats:
+        kw["repeats"] = args.repeats
+    if args.which in ("attention", "decode"):
+        import torch
+
+        device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
+        device = "cpu" if device == "auto" else device
+        kw.update(device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        rows = bench.bench_attention(**kw) if args.which == "attention" else bench.bench_decode(shapes=args.shapes, **kw)
+    elif args.which == "memory":
+        kw.pop("repeats", None)
+        rows = bench.bench_memory(**kw)
+    else:
+        from .loading import load_model
+
+        model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
+        if args.which == "ttft":
+            rows = bench.bench_ttft(model, tok, **kw)
         else:
-            print("one decode step, one layer, 32 q heads / 8 KV heads / head_dim 128, budget 1/10, m=2 bits=6")
-            print(f"{'seq_len':>8} {'dense ms':>10} {'pqcache ms':>11} {'speedup':>8} {'search share':>13}")
-            for r in rows:
-                print(f"{r['seq_len']:>8} {r['dense_ms']:>10.2f} {r['pqcache_ms']:>11.2f} "
-                      f"{r['speedup']:>7.2f}x {r['search_share']:>13.2f}")
+            rows = bench.bench_blockcache(model, tok, seq_len=(args.seq_lens or [4096])[0],
+                                          new_tokens=args.new_tokens)
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    else:
+        print(TITLES[args.which])
+        print(_table(rows))
+    return 0
+
+
+def cmd_calibrate(args) -> int:
+    from . import calibrate
+    from .loading import load_model
+
+    model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
+    fit = calibrate.calibrate(model, tok, seq_lens=args.seq_lens,
+                              progress=lambda msg: print(msg, file=sys.stderr))
+    path = calibrate.save(fit)
+    if args.json:
+        print(json.dumps(fit))
+    else:
+        p, c = fit["prefill"], fit["cluster"]
+        print(f"prefill  t = {p['a2']:.4g} + {p['b2']:.4g} s + {p['c2']:.4g} s^2  (seconds)")
+        print(f"cluster  t = {c['a1']:.4g} + {c['b1']:.4g} s T")
+        print("T_max:", ", ".join(f"s={s}: {t}" for s, t in fit["t_max"].items()))
+        print(f"saved {path}")
     return 0
 
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     try:
         if args.command == "generate":
             return cmd_generate(args)
+        if args.command == "calibrate":
+            return cmd_calibrate(args)
         return cmd_bench(args)
     except (PQCacheConfigError, ModelNotFoundError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

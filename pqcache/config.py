@@ -36,7 +36,7 @@ class PQCacheConfig:
     # (0 = off), up to `block_admit` blocks admitted per step, "lfu" (official) or "lru" eviction.
     block_size: int = 128
     block_cache_tokens: int = 1024
-    block_admit: int = 8
+    block_admit: int = 2
     cache_policy: str = "lfu"
     # Re-cluster all keys every N generated tokens (None = never, codes of new tokens come from the
     # existing centroids). A multi-token chunk of at least `turn_min_tokens` after the prefill (a new

@@ -28,7 +28,7 @@ def build_prompt(tokenizer, context: str, question: str) -> str:
 @torch.no_grad()
 def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
     """input_ids (B, S) -> next-token logits (B, V)."""
-    return model(input_ids=input_ids, cache=cache, use_cache=True).logits[:, -1]
+    return model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
 
 
 @torch.no_grad()

@@ -65,7 +65,10 @@ class PQLayer(CacheLayerMixin):
         self.B, self.H, self.D = B, H, D
         self.config.check_head_dim(D)
         self.cap = 0
-        self.k_host = self.v_host = self.codes = self.valid = self.searchable = None
+        self.k_host = self.v_host = self.codes = self.valid = self.searchable = self.joint = None
+        # Small code spaces (C^m <= 2^16, e.g. m=2, bits<=8) are searched tuple by tuple: see select().
+        self.n_tuples = self.config.n_centroids ** self.config.m
+        self.use_tuples = self.n_tuples <= 1 << 16
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -91,7 +94,9 @@ class PQLayer(CacheLayerMixin):
 
     def reset(self):
         self.wait_pq()
+        obs = self.obs
         self.__init__(self.config, self.layer_idx, self.executor, self.iters_for)
+        self.obs = obs
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("PQCache does not support beam search; use greedy or sampling")
@@ -112,6 +117,7 @@ class PQLayer(CacheLayerMixin):
         codes = torch.zeros((B, H, m, cap), dtype=torch.uint8, device=self.device)
         valid = torch.zeros((B, cap), dtype=torch.bool, device=self.device)
         searchable = torch.zeros((B, cap), dtype=torch.bool, device=self.device)
+        joint = torch.zeros((B, H, cap), dtype=torch.int32, device=self.device) if self.use_tuples else None
         if self.cap:
             S = self.S
             k[:, :, :S] = self.k_host[:, :, :S]
@@ -119,7 +125,10 @@ class PQLayer(CacheLayerMixin):
             codes[..., :S] = self.codes[..., :S]
             valid[:, :S] = self.valid[:, :S]
             searchable[:, :S] = self.searchable[:, :S]
+            if joint is not None:
+                joint[..., :S] = self.joint[..., :S]
         self.k_host, self.v_host, self.codes, self.valid, self.searchable = k, v, codes, valid, searchable
+        self.joint = joint
         self.cap = cap
 
     def _write_host(self, k, v):
@@ -241,10 +250,23 @@ class PQLayer(CacheLayerMixin):
         return {"kind": kind, "start": start, "end": end, "centroids": cents, "codes": codes,
                 "seconds": time.perf_counter() - t0}
 
+    def _set_codes(self, start: int, end: int, codes: torch.Tensor):
+        """codes (B, H, m, end - start) uint8 -> the code buffer, and the joint index when used:
+        joint = (b*H + h) * C^m + sum_j code_j * C^(m-1-j), the row of the token's code tuple."""
+        self.codes[..., start:end] = codes
+        if self.joint is None:
+            return
+        C, m = self.config.n_centroids, self.config.m
+        j = codes[:, :, 0].to(torch.int32)
+        for i in range(1, m):
+            j = j * C + codes[:, :, i]
+        base = (torch.arange(self.B * self.H, device=self.device, dtype=torch.int32) * self.n_tuples)
+        self.joint[..., start:end] = j + base.view(self.B, self.H, 1)
+
     def _install(self, result: dict):
         """Put a finished build in place (on the decoding thread, between steps)."""
         start, end, cents = result["start"], result["end"], result["centroids"]
-        self.codes[..., start:end] = result["codes"]
+        self._set_codes(start, end, result["codes"])
         if result["kind"] == "rebuild":
             self.segments = [(0, cents)]
             self.stats["rebuilds"] += 1
@@ -254,8 +276,8 @@ class PQLayer(CacheLayerMixin):
                 self.stats["turn_segments"] += 1
         if self.S > end:  # tokens appended while it ran: code them with the segment they now belong to
             last = self.segments[-1][1]
-            self.codes[..., end:self.S] = pq.encode(self.k_host[:, :, end:self.S].to(self.device), last,
-                                                    self.config.metric)
+            self._set_codes(end, self.S, pq.encode(self.k_host[:, :, end:self.S].to(self.device), last,
+                                                   self.config.metric))
         if result["kind"] == "prefill":
             self.stats["pq_build_s"] = result["seconds"]
 
@@ -322,10 +344,76 @@ class PQLayer(CacheLayerMixin):
         if k_max == 0 or not bool(cand.any()):
             empty = torch.zeros((self.B, self.H, 0), dtype=torch.long, device=self.device)
             return empty, empty.bool()
+        if self.use_tuples and self.S >= 2 * self.n_tuples:  # below that, per-tuple work costs more than it saves
+            return self._select_by_tuples(q * scaling, cand, ks, k_max)
         scores = self.combine(self.approx_scores(q * scaling), cand)
         top, sel_valid = topk_positions(scores, ks, k_max)
         sel_valid = sel_valid & torch.gather(cand[:, None, :].expand(-1, self.H, -1), 2, top)
         return top, sel_valid
+
+    def _select_by_tuples(self, q: torch.Tensor, cand: torch.Tensor, ks: list[int], k_max: int):
+        """PQ search when the code space is small (C^m <= 2^16): a token's approximate score depends
+        only on its code tuple, so everything is computed per tuple, and the tokens are read only
+        to count tuples (histogram), look their tuple's score up, and compare with a threshold.
+
+        The combined score of a tuple u over query rows r (GQA group x chunk) is
+          softmax_sum: sum_r exp(s_r(u) - M_r) / Z_r,  Z_r = sum_u hist(u) exp(s_r(u) - M_r)
+          sum:         sum_r s_r(u)
+        which equals the per-token softmax over the candidates followed by the sum over rows. The
+        threshold is the score of the tuple where the cumulative count reaches k; ties at it go to
+        the earliest positions (the same rule as topk_positions)."""
+        B, H, S, P = self.B, self.H, self.S, self.n_tuples
+        bounds = [start for start, _ in self.segments[1:]] + [S]
+        sink = B * H * P
+        tup, hist = [], []
+        for (start, cents), end in zip(self.segments, bounds):
+            tables = pq.lookup_tables(q, cents)  # (B, H, m, C, R)
+            t = tables[:, :, 0]
+            for j in range(1, tables.shape[2]):  # scores of all code tuples: (B, H, C^m, R)
+                t = (t[:, :, :, None, :] + tables[:, :, j][:, :, None, :, :]).flatten(2, 3)
+            tup.append(t)
+            idx = torch.where(cand[:, None, start:end], self.joint[..., start:end], sink)
+            hist.append(torch.bincount(idx.reshape(-1), minlength=sink + 1)[:sink].view(B, H, P))
+        tup, hist = torch.stack(tup, 2), torch.stack(hist, 2)  # (B, H, n_seg, P, R), (B, H, n_seg, P)
+        present = hist > 0
+        if self.config.gqa_combine == "softmax_sum":
+            M = tup.masked_fill(~present[..., None], float("-inf")).amax(dim=(2, 3), keepdim=True)
+            E = torch.exp(tup - M)
+            Z = (E * hist[..., None]).sum(dim=(2, 3), keepdim=True)
+            comb = (E / Z).sum(-1)  # (B, H, n_seg, P)
+        else:
+            comb = tup.sum(-1)
+        # threshold per (row, head): walk the tuples from the best down until k tokens are covered
+        vals = comb.masked_fill(~present, float("-inf")).flatten(2)
+        # every present tuple holds >= 1 token, so the threshold tuple is among the k best tuples
+        order = vals.topk(min(k_max, vals.shape[-1]), dim=-1, sorted=True).indices
+        cum = hist.flatten(2).gather(-1, order).cumsum(-1)
+        kt = torch.tensor(ks, device=self.device).view(B, 1, 1).expand(B, H, 1).contiguous()
+        at = torch.searchsorted(cum, kt).clamp(max=cum.shape[-1] - 1)
+        thresh = vals.gather(-1, order.gather(-1, at))  # (B, H, 1)
+        thresh = torch.where(cum[..., -1:] <= kt, torch.full_like(thresh, float("-inf")), thresh)
+
+        scores = torch.empty((B, H, S), dtype=comb.dtype, device=self.device)
+        for i, ((start, _), end) in enumerate(zip(self.segments, bounds)):
+            joint = self.joint[..., start:end]
+            scores[..., start:end] = comb[:, :, i].reshape(-1).index_select(0, joint.reshape(-1)).view(joint.shape)
+        scores.masked_fill_(~cand[:, None, :], float("-inf"))
+        chosen = scores > thresh
+        # ties at the threshold (the tokens of the threshold tuple): the earliest `need` of each row
+        need = (kt - chosen.sum(-1, keepdim=True)).view(-1)  # (B*H,)
+        tied = ((scores == thresh) & cand[:, None, :]).nonzero()  # (n, 3) sorted by row, head, position
+        if tied.numel():
+            group = tied[:, 0] * H + tied[:, 1]
+            sizes = torch.bincount(group, minlength=B * H)
+            rank = torch.arange(group.numel(), device=self.device) - (sizes.cumsum(0) - sizes)[group]
+            keep = tied[rank < need[group]]
+            chosen[keep[:, 0], keep[:, 1], keep[:, 2]] = True
+        counts = chosen.sum(-1)
+        if bool((counts == counts.flatten()[0]).all()):
+            top = chosen.nonzero()[:, 2].view(B, H, -1)
+            return top, torch.ones_like(top, dtype=torch.bool)
+        flag, top = chosen.to(torch.float32).topk(int(counts.max()), dim=-1, sorted=True)
+        return top, flag > 0
 
     def fetch(self, top: torch.Tensor, valid: torch.Tensor, lo: int):
         """K/V of host positions top (B, H, k) into the device buffer at [lo, lo + k):
@@ -417,7 +505,7 @@ class PQLayer(CacheLayerMixin):
         self._write_host(k_new, v_new)
         self.valid[:, start:start + Q] = new_valid
         self.searchable[:, start:start + Q] = new_valid
-        self.codes[..., start:start + Q] = pq.encode(k_new, self.segments[-1][1], self.config.metric)
+        self._set_codes(start, start + Q, pq.encode(k_new, self.segments[-1][1], self.config.metric))
         self._ring_write(k_new, v_new, start)
         self.n_real = [n + int(c) for n, c in zip(self.n_real, new_valid.sum(1).tolist())]
         cfg = self.config

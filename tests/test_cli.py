@@ -66,3 +66,30 @@ def test_generate_bad_input_gives_clear_error(args, message):
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_bench_decode_and_memory_json_shape():
+    proc = run_cli("bench", "decode", "--seq-lens", "2048,4096", "--repeats", "2", "--shapes", "gemma", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert [r["seq_len"] for r in rows] == [2048, 4096] and rows[0]["pqcache_growth"] == 1.0
+    proc = run_cli("bench", "memory", "--seq-lens", "1024", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert {r["model"] for r in rows} == {"gemma3-270m", "llama-3.1-8b"}
+    for r in rows:
+        assert {"seq_len", "full_device_bytes", "pqcache_device_bytes", "ratio"} <= set(r)
+        assert 0 < r["pqcache_device_bytes"] < r["full_device_bytes"]
+
+
+def test_bench_ttft_and_blockcache_json_shape():
+    proc = run_cli("bench", "ttft", "--seq-lens", "600", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout)["rows"]
+    assert {"seq_len", "full_s", "pqcache_s", "ratio"} <= set(row) and row["seq_len"] == 600
+    assert row["full_s"] > 0 and row["pqcache_s"] > 0
+    proc = run_cli("bench", "blockcache", "--seq-lens", "1100", "--new-tokens", "6", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(proc.stdout)["rows"]
+    assert {(r["policy"], r["capacity_tokens"]) for r in rows} == {(p, c) for p in ("lru", "lfu") for c in (512, 1024)}
+    assert all(0 <= r["hit_rate"] <= 1 for r in rows)
