@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .config import PQCacheConfig
 from .instrument import Instrumentation
+from .methods import Method, make_method
 from .iters import kmeans_iters_for
 from .layer import PQLayer
 
@@ -47,7 +48,8 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
     B, _, Q, _ = query.shape
     if not layer.prefilled:
         out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer.finish_prefill(_valid_from_mask(attention_mask, B, key.shape[2], key.device))
+        layer.finish_prefill(_valid_from_mask(attention_mask, B, key.shape[2], key.device),
+                             query if layer.keep_queries else None, scaling)
         return out
     new_valid = _valid_from_mask(attention_mask, B, layer.S + Q, query.device)[:, layer.S:]
     return layer.attend(query, new_valid, scaling, softcap=kwargs.get("softcap")), None
@@ -62,10 +64,14 @@ def register_attention():
 class PQCache(Cache):
     """PQ-retrieval KV cache. Use as `model.generate(ids, cache=PQCache(model, PQCacheConfig(...)))`."""
 
-    def __init__(self, model, config: PQCacheConfig | None = None):
+    def __init__(self, model, config: PQCacheConfig | None = None, method: str | Method = "pqcache",
+                 keep_queries: bool = False):
         """model: a transformers causal LM (switched to the "pqcache" attention function), or just its
-        config (a cache filled by hand, e.g. in benchmarks)."""
+        config (a cache filled by hand, e.g. in benchmarks). method: how the middle tokens are picked
+        (methods/: pqcache, oracle, full, streaming, h2o, snapkv, pyramidkv, sparq, infllm).
+        keep_queries: keep the prefill queries so that `fork()` can start any method later."""
         self.pq_config = config or PQCacheConfig()
+        self.method = make_method(method)
         model_config = getattr(model, "config", model)
         text_config = model_config.get_text_config(decoder=True)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
@@ -73,10 +79,14 @@ class PQCache(Cache):
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans")
         iters_for = lambda s: kmeans_iters_for(self.pq_config.kmeans_iters, s)  # noqa: E731
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
+        n_full = layer_types.count("full_attention")
         layers = []
         for idx, (kind, kw) in enumerate(zip(layer_types, per_layer_kwargs)):
             if kind == "full_attention":
-                layers.append(PQLayer(self.pq_config, idx, self.executor, iters_for))
+                layer = PQLayer(self.pq_config, idx, self.executor, iters_for, self.method,
+                                depth=(sum(isinstance(x, PQLayer) for x in layers), n_full))
+                layer.keep_queries = keep_queries or self.method.needs_prefill_queries
+                layers.append(layer)
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
@@ -154,6 +164,21 @@ class PQCache(Cache):
         iters = [layer.stats["kmeans_iters"] for layer in self.pq_layers if layer.stats["kmeans_iters"] is not None]
         total["kmeans_iters"] = max(iters) if iters else None
         return total
+
+    def fork(self, method: str | Method) -> "PQCache":
+        """A copy of this prefilled cache that continues with another method: comparing N methods costs
+        one prefill. Tensors are copied, so the forks decode independently. Create the cache with
+        keep_queries=True for methods that need prefill statistics (H2O, SnapKV, PyramidKV, InfLLM)."""
+        import copy
+
+        self.wait()
+        new = copy.copy(self)
+        new.method = make_method(method)
+        new.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans")
+        new.observer, new._hooks = None, []
+        new.layers = [layer.fork(new.method, new.executor) if isinstance(layer, PQLayer) else copy.deepcopy(layer)
+                      for layer in self.layers]
+        return new
 
     def close(self):
         self.instrument(None)

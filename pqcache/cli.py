@@ -8,6 +8,7 @@ from pathlib import Path
 
 from .config import PQCacheConfig, PQCacheConfigError
 from .loading import ModelNotFoundError
+from .methods import METHODS
 
 
 def _budget(text: str):
@@ -28,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="answer a question about a context file")
     g.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
-    g.add_argument("--method", default="pqcache", choices=["full", "pqcache"])
+    g.add_argument("--method", default="pqcache", choices=list(METHODS),
+                   help="full (transformers' DynamicCache), or a selection method under the same budget")
     g.add_argument("--context-file", type=Path, help="text file put before the question")
     g.add_argument("--question", required=True)
     g.add_argument("--max-new-tokens", type=int, default=32)

@@ -9,16 +9,16 @@ from transformers import DynamicCache
 
 from .cache import PQCache
 from .config import PQCacheConfig
-
-METHODS = ("full", "pqcache")
+from .methods import METHODS
 
 
 def make_cache(model, method: str, config: PQCacheConfig | None = None):
+    """"full" is transformers' own DynamicCache (the reference); every other method a PQCache."""
     if method == "full":
         return DynamicCache(config=model.config)
-    if method == "pqcache":
-        return PQCache(model, config or PQCacheConfig())
-    raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    return PQCache(model, config or PQCacheConfig(), method=method)
 
 
 def build_prompt(tokenizer, context: str, question: str) -> str:

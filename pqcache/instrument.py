@@ -11,6 +11,7 @@ Records
   recall     per layer and KV head at sampled steps: PQ top-k recall of the exact top-k, and the
              share of the exact attention mass that the attended tokens carry
   blocks     per layer and step: block-cache hits and misses of the retrieved tokens
+  selected   (selections=True) per layer and step: the positions each row and KV head attended to
   bytes      bytes moved to the host tier and to the device tier
 """
 from __future__ import annotations
@@ -26,8 +27,9 @@ LANES = ("device compute", "host clustering", "copy to host", "copy to device")
 
 class Instrumentation:
     def __init__(self, timeline: bool = True, attention_every: int = 0, recall_every: int = 0,
-                 max_events: int = 50_000, n_sorted: int = 64):
+                 selections: bool = False, max_events: int = 50_000, n_sorted: int = 64):
         self.timeline = timeline
+        self.selections = selections
         self.attention_every = attention_every
         self.recall_every = recall_every
         self.max_events = max_events
@@ -39,6 +41,7 @@ class Instrumentation:
         self.attention: list[dict] = []
         self.recall: list[dict] = []
         self.blocks: list[dict] = []
+        self.selected: list[dict] = []
         self.bytes = {"to_host": 0, "to_device": 0}
 
     def now(self) -> float:
@@ -83,6 +86,10 @@ class Instrumentation:
         self.recall.append({"layer": layer, "step": step, "k": k, "topk_recall": topk_recall,
                             "mass_recall": mass_recall})
 
+    def record_selection(self, layer: int, step: int, positions: list[list[list[int]]]):
+        """positions[b][h]: the token positions that row b, KV head h attended to at this step."""
+        self.selected.append({"layer": layer, "step": step, "positions": positions})
+
     def record_blocks(self, layer: int, step: int, hits: int, misses: int):
         self.blocks.append({"layer": layer, "step": step, "hits": hits, "misses": misses})
 
@@ -94,4 +101,5 @@ class Instrumentation:
     def to_dict(self) -> dict:
         with self._lock:
             return {"lanes": list(LANES), "events": list(self.events), "attention": list(self.attention),
-                    "recall": list(self.recall), "blocks": list(self.blocks), "bytes": dict(self.bytes)}
+                    "recall": list(self.recall), "blocks": list(self.blocks), "selected": list(self.selected),
+                    "bytes": dict(self.bytes)}

@@ -32,6 +32,7 @@ from transformers.cache_utils import CacheLayerMixin
 from . import pq
 from .blockcache import BlockCache
 from .config import PQCacheConfig
+from .methods.base import Method, combine_rows, topk_positions
 
 
 class PQLayer(CacheLayerMixin):
@@ -39,9 +40,16 @@ class PQLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, config: PQCacheConfig, layer_idx: int, executor: Executor, iters_for: callable):
+    def __init__(self, config: PQCacheConfig, layer_idx: int, executor: Executor, iters_for: callable,
+                 method: Method | None = None, depth: tuple[int, int] = (0, 1)):
         super().__init__()
+        from .methods.pqcache import PQCacheMethod
+
         self.config = config
+        self.method = method or PQCacheMethod()
+        self.depth, self.n_depth = depth  # index among the full-attention layers, and their count
+        self.keep_queries = False  # keep the prefill queries (a cache that will be forked into methods)
+        self.prefill_q = None
         self.layer_idx = layer_idx
         self.executor = executor
         self.iters_for = iters_for  # s -> K-Means iterations
@@ -51,6 +59,9 @@ class PQLayer(CacheLayerMixin):
         self.jobs: list[tuple[Future, float]] = []  # PQ builds in flight: (future, time submitted)
         self.segments: list[tuple[int, torch.Tensor]] = []  # (start position, centroids)
         self.obs = None  # Instrumentation, when attached
+        self.method_state: dict = {}
+        self.blocks = None
+        self.S_prefill = 0
         self.generated = 0
         self.stats = {"kmeans_iters": None, "pq_build_s": None, "pq_wait_s": 0.0, "pq_ready_before_use": None,
                       "steps": 0, "hits": 0, "misses": 0, "rebuilds": 0, "turn_segments": 0}
@@ -94,9 +105,10 @@ class PQLayer(CacheLayerMixin):
 
     def reset(self):
         self.wait_pq()
-        obs = self.obs
-        self.__init__(self.config, self.layer_idx, self.executor, self.iters_for)
-        self.obs = obs
+        obs, keep = self.obs, self.keep_queries
+        self.__init__(self.config, self.layer_idx, self.executor, self.iters_for, self.method,
+                      (self.depth, self.n_depth))
+        self.obs, self.keep_queries = obs, keep
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("PQCache does not support beam search; use greedy or sampling")
@@ -154,14 +166,29 @@ class PQLayer(CacheLayerMixin):
         return nullcontext() if self.obs is None else self.obs.span(lane, self.layer_idx)
 
     # ---- prefill -----------------------------------------------------------------------------------
-    def finish_prefill(self, valid: torch.Tensor):
-        """valid (B, S) bool: real (not padding) tokens of the prefill. Splits the tiers, starts PQ."""
-        B, S = valid.shape
-        cfg = self.config
+    def finish_prefill(self, valid: torch.Tensor, query: torch.Tensor | None = None, scaling: float = 1.0):
+        """valid (B, S) bool: real (not padding) tokens of the prefill; query (B, Hq, S, D) its queries.
+        Splits the tiers, starts PQ, lets the method compute its prefill statistics."""
         self._sync_host()
+        S = valid.shape[1]
         self.valid[:, :S] = valid.to(self.device)
+        self.S_prefill = S
+        self.scaling = scaling
+        self.method_state = {}  # per-layer state of the method (methods are shared by the layers)
+        self.split_tiers()
+        self.prefilled = True
+        if self.keep_queries and query is not None:
+            self.prefill_q = query.to(self.host)
+        if self.method.needs_pq:
+            self.start_pq()
+        self.method.on_prefill(self, query, scaling)
+
+    def split_tiers(self):
+        """Sinks, window ring, top-k buffer and block cache for the current method and tokens."""
+        S, cfg = self.S, self.config
+        valid = self.valid[:, :S]
         self.n_real = [int(n) for n in valid.sum(1).tolist()]
-        splits = [cfg.split(n) for n in self.n_real]
+        splits = [self.method.split(cfg, n, self) for n in self.n_real]
         self.n_init = max(s[0] for s in splits)
         self.n_local = [s[2] for s in splits]
         self.L = max(self.n_local)
@@ -169,16 +196,16 @@ class PQLayer(CacheLayerMixin):
         rank = valid.long().cumsum(1) - 1  # (B, S) index among real tokens
         n_init_row = torch.tensor([s[0] for s in splits], device=valid.device)
         is_init = valid & (rank < n_init_row[:, None])
-        self.searchable[:, :S] = (valid & ~is_init).to(self.device)
+        self.searchable[:, :S] = valid & ~is_init
         # Sink positions per row: the first n_init real tokens (sorted key puts them first).
         key = torch.where(is_init, rank, torch.full_like(rank, S + 1))
-        init_pos = key.argsort(dim=1, stable=True)[:, : self.n_init]  # (B, n_init)
-        self.init_valid = is_init.gather(1, init_pos).to(self.device)
+        self.init_pos = key.argsort(dim=1, stable=True)[:, : self.n_init]  # (B, n_init)
+        self.init_valid = is_init.gather(1, self.init_pos)
 
         self.k_cap, self.q_cap = 0, 0
         self._ensure_device_buffer(max(self.topk_counts()), 1)
-        self.dev_k[:, :, : self.n_init] = self._gather_rows(self.k_host, init_pos).to(self.device)
-        self.dev_v[:, :, : self.n_init] = self._gather_rows(self.v_host, init_pos).to(self.device)
+        self.dev_k[:, :, : self.n_init] = self._gather_rows(self.k_host, self.init_pos).to(self.device)
+        self.dev_v[:, :, : self.n_init] = self._gather_rows(self.v_host, self.init_pos).to(self.device)
         # Local window ring: slot = position % L, slot_pos = -1 while empty.
         self.slot_pos = torch.full((self.L,), -1, dtype=torch.long)
         self._ring_write(self.k_host[:, :, :S], self.v_host[:, :, :S], 0)
@@ -187,12 +214,17 @@ class PQLayer(CacheLayerMixin):
         # at most a quarter of the prefill: a device tier as large as the context would defeat the purpose
         capacity = min(cfg.block_cache_tokens, S // 4 // cfg.block_size * cfg.block_size)
         if capacity >= cfg.block_size:
+            policy = getattr(self.method, "cache_policy", None) or cfg.cache_policy
             self.blocks = BlockCache(self.B, self.H, self.D, self.dtype, self.device, cfg.block_size,
-                                     capacity, cfg.block_admit, cfg.cache_policy)
-        self.prefilled = True
+                                     capacity, cfg.block_admit, policy)
+
+    def start_pq(self):
+        """K-Means of the prefill in the background (no-op when it is built or building)."""
+        if self.segments or self.jobs:
+            return
         iters = self.iters_for(max(self.n_real))
         self.stats["kmeans_iters"] = iters
-        self._submit(0, S, iters, kind="prefill")
+        self._submit(0, self.S_prefill, iters, kind="prefill")
 
     def _ensure_device_buffer(self, k: int, q: int):
         """Grow the [sinks | ring | top-k | new] buffer when the top-k or chunk outgrows it."""
@@ -304,9 +336,9 @@ class PQLayer(CacheLayerMixin):
     def topk_counts(self) -> list[int]:
         out = []
         for b in range(self.B):
-            budget = self.config.budget_tokens(self.n_real[b])
+            n_init, n_topk, n_local = self.method.split(self.config, self.n_real[b], self)
             n_init_b = int(self.init_valid[b].sum())
-            out.append(max(0, budget - n_init_b - self.n_local[b]))
+            out.append(max(0, n_init + n_topk + n_local - n_init_b - self.n_local[b]))
         return out
 
     def candidates(self) -> torch.Tensor:
@@ -316,26 +348,6 @@ class PQLayer(CacheLayerMixin):
         local_start = torch.tensor([S - n for n in self.n_local], device=self.device)
         return self.searchable[:, :S] & (pos[None, :] < local_start[:, None])
 
-    def approx_scores(self, q: torch.Tensor) -> torch.Tensor:
-        """q (B, H, R, D), already scaled -> approximate scores (B, H, S, R), segment by segment."""
-        S = self.S
-        if len(self.segments) == 1:
-            return pq.approx_scores(pq.lookup_tables(q, self.segments[0][1]), self.codes[..., :S])
-        out = torch.empty((self.B, self.H, S, q.shape[2]), dtype=torch.float32, device=self.device)
-        bounds = [s for s, _ in self.segments[1:]] + [S]
-        for (start, cents), end in zip(self.segments, bounds):
-            out[:, :, start:end] = pq.approx_scores(pq.lookup_tables(q, cents), self.codes[..., start:end])
-        return out
-
-    def combine(self, scores: torch.Tensor, cand: torch.Tensor) -> torch.Tensor:
-        """scores (B, H, S, R) -> (B, H, S): GQA/chunk rows combined; non-candidates -inf."""
-        if self.config.gqa_combine == "softmax_sum":
-            neg = torch.finfo(scores.dtype).min
-            scores = scores.masked_fill(~cand[:, None, :, None], neg).softmax(dim=2).sum(-1)
-        else:
-            scores = scores.sum(-1)
-        return scores.masked_fill_(~cand[:, None, :], float("-inf"))
-
     def select(self, q: torch.Tensor, scaling: float):
         """q (B, H, R, D) -> positions (B, H, k) and their validity (B, H, k) on the host tier."""
         ks = self.topk_counts()
@@ -344,76 +356,7 @@ class PQLayer(CacheLayerMixin):
         if k_max == 0 or not bool(cand.any()):
             empty = torch.zeros((self.B, self.H, 0), dtype=torch.long, device=self.device)
             return empty, empty.bool()
-        if self.use_tuples and self.S >= 2 * self.n_tuples:  # below that, per-tuple work costs more than it saves
-            return self._select_by_tuples(q * scaling, cand, ks, k_max)
-        scores = self.combine(self.approx_scores(q * scaling), cand)
-        top, sel_valid = topk_positions(scores, ks, k_max)
-        sel_valid = sel_valid & torch.gather(cand[:, None, :].expand(-1, self.H, -1), 2, top)
-        return top, sel_valid
-
-    def _select_by_tuples(self, q: torch.Tensor, cand: torch.Tensor, ks: list[int], k_max: int):
-        """PQ search when the code space is small (C^m <= 2^16): a token's approximate score depends
-        only on its code tuple, so everything is computed per tuple, and the tokens are read only
-        to count tuples (histogram), look their tuple's score up, and compare with a threshold.
-
-        The combined score of a tuple u over query rows r (GQA group x chunk) is
-          softmax_sum: sum_r exp(s_r(u) - M_r) / Z_r,  Z_r = sum_u hist(u) exp(s_r(u) - M_r)
-          sum:         sum_r s_r(u)
-        which equals the per-token softmax over the candidates followed by the sum over rows. The
-        threshold is the score of the tuple where the cumulative count reaches k; ties at it go to
-        the earliest positions (the same rule as topk_positions)."""
-        B, H, S, P = self.B, self.H, self.S, self.n_tuples
-        bounds = [start for start, _ in self.segments[1:]] + [S]
-        sink = B * H * P
-        tup, hist = [], []
-        for (start, cents), end in zip(self.segments, bounds):
-            tables = pq.lookup_tables(q, cents)  # (B, H, m, C, R)
-            t = tables[:, :, 0]
-            for j in range(1, tables.shape[2]):  # scores of all code tuples: (B, H, C^m, R)
-                t = (t[:, :, :, None, :] + tables[:, :, j][:, :, None, :, :]).flatten(2, 3)
-            tup.append(t)
-            idx = torch.where(cand[:, None, start:end], self.joint[..., start:end], sink)
-            hist.append(torch.bincount(idx.reshape(-1), minlength=sink + 1)[:sink].view(B, H, P))
-        tup, hist = torch.stack(tup, 2), torch.stack(hist, 2)  # (B, H, n_seg, P, R), (B, H, n_seg, P)
-        present = hist > 0
-        if self.config.gqa_combine == "softmax_sum":
-            M = tup.masked_fill(~present[..., None], float("-inf")).amax(dim=(2, 3), keepdim=True)
-            E = torch.exp(tup - M)
-            Z = (E * hist[..., None]).sum(dim=(2, 3), keepdim=True)
-            comb = (E / Z).sum(-1)  # (B, H, n_seg, P)
-        else:
-            comb = tup.sum(-1)
-        # threshold per (row, head): walk the tuples from the best down until k tokens are covered
-        vals = comb.masked_fill(~present, float("-inf")).flatten(2)
-        # every present tuple holds >= 1 token, so the threshold tuple is among the k best tuples
-        order = vals.topk(min(k_max, vals.shape[-1]), dim=-1, sorted=True).indices
-        cum = hist.flatten(2).gather(-1, order).cumsum(-1)
-        kt = torch.tensor(ks, device=self.device).view(B, 1, 1).expand(B, H, 1).contiguous()
-        at = torch.searchsorted(cum, kt).clamp(max=cum.shape[-1] - 1)
-        thresh = vals.gather(-1, order.gather(-1, at))  # (B, H, 1)
-        thresh = torch.where(cum[..., -1:] <= kt, torch.full_like(thresh, float("-inf")), thresh)
-
-        scores = torch.empty((B, H, S), dtype=comb.dtype, device=self.device)
-        for i, ((start, _), end) in enumerate(zip(self.segments, bounds)):
-            joint = self.joint[..., start:end]
-            scores[..., start:end] = comb[:, :, i].reshape(-1).index_select(0, joint.reshape(-1)).view(joint.shape)
-        scores.masked_fill_(~cand[:, None, :], float("-inf"))
-        chosen = scores > thresh
-        # ties at the threshold (the tokens of the threshold tuple): the earliest `need` of each row
-        need = (kt - chosen.sum(-1, keepdim=True)).view(-1)  # (B*H,)
-        tied = ((scores == thresh) & cand[:, None, :]).nonzero()  # (n, 3) sorted by row, head, position
-        if tied.numel():
-            group = tied[:, 0] * H + tied[:, 1]
-            sizes = torch.bincount(group, minlength=B * H)
-            rank = torch.arange(group.numel(), device=self.device) - (sizes.cumsum(0) - sizes)[group]
-            keep = tied[rank < need[group]]
-            chosen[keep[:, 0], keep[:, 1], keep[:, 2]] = True
-        counts = chosen.sum(-1)
-        if bool((counts == counts.flatten()[0]).all()):
-            top = chosen.nonzero()[:, 2].view(B, H, -1)
-            return top, torch.ones_like(top, dtype=torch.bool)
-        flag, top = chosen.to(torch.float32).topk(int(counts.max()), dim=-1, sorted=True)
-        return top, flag > 0
+        return self.method.select(self, q * scaling, cand, ks, k_max)
 
     def fetch(self, top: torch.Tensor, valid: torch.Tensor, lo: int):
         """K/V of host positions top (B, H, k) into the device buffer at [lo, lo + k):
@@ -493,6 +436,16 @@ class PQLayer(CacheLayerMixin):
         out = out.view(B, Hq, Q, D).transpose(1, 2)
 
         self.last_selection = (top, top_valid)
+        want_positions = self.obs is not None and self.obs.selections
+        if self.method.observes or want_positions:
+            positions = torch.cat([self.init_pos[:, None, :].expand(B, H, -1), slot_pos.view(1, 1, -1).expand(B, H, -1),
+                                   top, torch.arange(S, S + Q, device=self.device).view(1, 1, Q).expand(B, H, Q)], dim=2)
+            if self.method.observes:
+                self.method.observe(self, probs.view(B, H, G * Q, -1), positions)
+            if want_positions:
+                attended = mask[:, :, -1, :]  # what the last new token attended to
+                self.obs.record_selection(self.layer_idx, self.stats["steps"], [
+                    [sorted(positions[b, h][attended[b, h]].tolist()) for h in range(H)] for b in range(B)])
         if self.obs is not None and (self.obs.wants_attention(self.stats["steps"])
                                      or self.obs.wants_recall(self.stats["steps"])):
             self._probe(q, scaling, top, top_valid, ring_valid)
@@ -505,10 +458,13 @@ class PQLayer(CacheLayerMixin):
         self._write_host(k_new, v_new)
         self.valid[:, start:start + Q] = new_valid
         self.searchable[:, start:start + Q] = new_valid
-        self._set_codes(start, start + Q, pq.encode(k_new, self.segments[-1][1], self.config.metric))
+        if self.segments:
+            self._set_codes(start, start + Q, pq.encode(k_new, self.segments[-1][1], self.config.metric))
         self._ring_write(k_new, v_new, start)
         self.n_real = [n + int(c) for n, c in zip(self.n_real, new_valid.sum(1).tolist())]
         cfg = self.config
+        if not self.method.needs_pq:
+            return
         if Q >= cfg.turn_min_tokens:  # a new user turn: K-Means of its own, in the background
             self._submit(start, start + Q, self.iters_for(Q), kind="turn")
         elif Q == 1:
@@ -532,7 +488,7 @@ class PQLayer(CacheLayerMixin):
         if not self.obs.wants_recall(step) or top.shape[2] == 0:
             return
         cand = self.candidates()
-        exact_comb = self.combine(exact.transpose(2, 3).contiguous(), cand)  # (B, H, S)
+        exact_comb = combine_rows(exact.transpose(2, 3).contiguous(), cand, self.config.gqa_combine)  # (B, H, S)
         ks = self.topk_counts()
         etop, evalid = topk_positions(exact_comb, ks, top.shape[2])
         chosen = torch.zeros((B, H, S), dtype=torch.bool, device=self.device)
@@ -545,6 +501,26 @@ class PQLayer(CacheLayerMixin):
         attended |= ~cand[:, None, :] & valid[:, None, :]  # sinks and window are attended too
         mass = (probs * attended[:, :, None, :]).sum(-1).mean(-1).mean(0)  # (H,)
         self.obs.record_recall(self.layer_idx, step, topk_recall.tolist(), mass.tolist(), int(top_valid.sum(-1).max()))
+
+    def fork(self, method: Method, executor: Executor) -> "PQLayer":
+        """A deep copy continuing with `method` (see PQCache.fork)."""
+        import copy
+
+        self.wait_pq()
+        new = copy.copy(self)
+        new.__dict__ = {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v) if isinstance(v, (list, dict))
+                            else v) for k, v in self.__dict__.items()}
+        new.method, new.executor, new.obs, new.jobs = method, executor, None, []
+        new.method_state = {}
+        if self.prefilled:
+            new.split_tiers()
+            if method.needs_pq:
+                new.start_pq()
+            if method.needs_prefill_queries and self.prefill_q is None:
+                raise ValueError(f"method {method.name!r} needs the prefill queries: create the cache with "
+                                 "keep_queries=True before the prefill to fork into it")
+            method.on_prefill(new, self.prefill_q, self.scaling)
+        return new
 
     # ---- accounting ----------------------------------------------------------------------------------
     def memory(self) -> dict:
@@ -562,31 +538,3 @@ class PQLayer(CacheLayerMixin):
         return {"device_kv_bytes": device_kv, "host_kv_bytes": host_kv, "pq_bytes": pq_bytes}
 
 
-def topk_positions(scores: torch.Tensor, ks: list[int], k_max: int):
-    """Top-k_b positions of each row b of scores (B, H, S) -> (B, H, k_max) positions and validity.
-
-    Tokens with identical PQ codes get identical scores, so ties at the k-th score are common; they
-    go to the earliest positions, which makes the choice independent of padding and of the sort
-    algorithm (a left-padded row selects what it selects alone). The tie pass runs only when the
-    boundary is ambiguous.
-    """
-    B, H, S = scores.shape
-    kt = torch.tensor(ks, device=scores.device).view(B, 1, 1)
-    even = min(ks) == k_max
-    vals, top = scores.topk(k_max, dim=-1, sorted=not even)
-    if even:
-        thresh = vals.min(-1, keepdim=True).values
-        in_rank = torch.ones_like(vals, dtype=torch.bool)
-    else:
-        thresh = vals.gather(-1, (kt - 1).clamp(min=0).expand(B, H, 1))
-        in_rank = torch.arange(k_max, device=scores.device).view(1, 1, -1) < kt
-    tied_all = (scores == thresh).sum(-1)
-    tied_in = ((vals == thresh) & in_rank).sum(-1)
-    if not bool((tied_all > tied_in).any()):
-        return top, in_rank
-    strict = scores > thresh
-    ties = scores == thresh
-    need = kt.view(B, 1) - strict.sum(-1)  # (B, H)
-    chosen = strict | (ties & (ties.cumsum(-1) <= need[..., None]))
-    flag, top = chosen.to(torch.float32).topk(k_max, dim=-1, sorted=True)
-    return top, flag > 0

@@ -93,3 +93,12 @@ def test_bench_ttft_and_blockcache_json_shape():
     rows = json.loads(proc.stdout)["rows"]
     assert {(r["policy"], r["capacity_tokens"]) for r in rows} == {(p, c) for p in ("lru", "lfu") for c in (512, 1024)}
     assert all(0 <= r["hit_rate"] <= 1 for r in rows)
+
+
+@pytest.mark.parametrize("method", ["oracle", "streaming", "h2o", "snapkv", "pyramidkv", "sparq", "infllm"])
+def test_generate_every_method_from_the_cli(method):
+    proc = run_cli("generate", "--method", method, "--context-file", str(PASSKEY), "--question", QUESTION,
+                   "--max-new-tokens", "3", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["stats"]["method"] == method and len(result["tokens"]) == 3

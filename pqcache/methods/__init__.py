@@ -1,0 +1,42 @@
+"""Selection methods, one module each, under one interface (base.Method).
+
+| name      | rule |
+|-----------|------|
+| full      | every token (exact attention through the same tiers) |
+| oracle    | exact top-k of the current query, same budget as PQCache (PQCache's upper bound) |
+| streaming | 4 sink tokens + the most recent tokens (StreamingLLM, Xiao et al. 2024) |
+| h2o       | heavy hitters by attention received so far + recent window, evicted for good (Zhang et al. 2023) |
+| snapkv    | prompt tokens the last 32 prompt queries attend to (pooled), frozen after prefill (Li et al. 2024) |
+| pyramidkv | SnapKV scoring, budgets shrinking linearly with depth (Cai et al. 2024) |
+| sparq     | approximate scores from the r largest |q| components, exact attention on the top-k (Ribar et al. 2024) |
+| infllm    | 128-token blocks scored by representative keys, top blocks attended (Xiao et al. 2024) |
+| pqcache   | product-quantized keys, approximate scores, top-k (Zhang et al., SIGMOD 2025) |
+"""
+from __future__ import annotations
+
+from .base import Method
+from .full import Full
+from .h2o import H2O
+from .infllm import InfLLM
+from .oracle import Oracle
+from .pqcache import PQCacheMethod
+from .pyramidkv import PyramidKV
+from .snapkv import SnapKV
+from .sparq import SparQ
+from .streaming import StreamingLLM
+
+METHODS: dict[str, type[Method]] = {
+    cls.name: cls for cls in (Full, Oracle, StreamingLLM, H2O, SnapKV, PyramidKV, SparQ, InfLLM, PQCacheMethod)
+}
+
+
+def make_method(method: str | Method, **options) -> Method:
+    """A method by name (with its published defaults, overridable by options) or as given."""
+    if isinstance(method, Method):
+        return method
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    return METHODS[method](**options)
+
+
+__all__ = ["METHODS", "Method", "make_method", *[cls.__name__ for cls in METHODS.values()]]

@@ -1,0 +1,104 @@
+"""The selection interface shared by every method.
+
+A method decides, at each decode step (or chunk) of a full-attention layer, which middle tokens of
+the host tier are attended besides the sinks, the local window and the new tokens. The layer owns
+the tiers and the attention; a method only scores and picks (kvpress style: one small dataclass per
+method). Shapes: B rows, H KV heads, S positions, R query rows per KV head (GQA group x chunk).
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+
+@dataclass
+class Method(ABC):
+    name: ClassVar[str] = ""
+    needs_pq: ClassVar[bool] = False  # builds PQ codebooks in the background
+    observes: ClassVar[bool] = False  # wants each step's attention probabilities (H2O)
+    needs_prefill_queries: ClassVar[bool] = False  # computes statistics from the prefill queries
+
+    def split(self, config, n_real: int, layer) -> tuple[int, int, int]:
+        """(n_init, n_topk, n_local) for a row with n_real tokens; the budget's meaning is shared."""
+        return config.split(n_real)
+
+    def on_prefill(self, layer, query: torch.Tensor | None, scaling: float) -> None:
+        """query (B, Hq, S, D): the prefill queries (only when needs_prefill_queries)."""
+
+    @abstractmethod
+    def select(self, layer, q: torch.Tensor, cand: torch.Tensor, ks: list[int], k_max: int):
+        """q (B, H, R, D) scaled queries, cand (B, S) candidate middle tokens, ks per-row counts
+        -> positions (B, H, k) and validity (B, H, k)."""
+
+    def observe(self, layer, probs: torch.Tensor, positions: torch.Tensor) -> None:
+        """probs (B, H, R, N) of the step over the attended tokens at positions (B, H, N)."""
+
+
+def combine_rows(scores: torch.Tensor, cand: torch.Tensor, mode: str) -> torch.Tensor:
+    """scores (B, H, S, R) -> (B, H, S): query rows combined ("softmax_sum": softmax over the
+    candidates per row, then summed, as the official PQCache code; "sum": raw sum); others -inf."""
+    if mode == "softmax_sum":
+        neg = torch.finfo(scores.dtype).min
+        scores = scores.masked_fill(~cand[:, None, :, None], neg).softmax(dim=2).sum(-1)
+    else:
+        scores = scores.sum(-1)
+    return scores.masked_fill_(~cand[:, None, :], float("-inf"))
+
+
+def exact_scores(layer, q: torch.Tensor) -> torch.Tensor:
+    """q (B, H, R, D) scaled -> exact q.k (B, H, S, R) over every stored token (float32)."""
+    layer._sync_host()
+    keys = layer.k_host[:, :, : layer.S].to(layer.device, torch.float32)
+    return keys @ q.float().transpose(-1, -2)
+
+
+def topk_positions(scores: torch.Tensor, ks: list[int], k_max: int):
+    """Top-k_b positions of each row b of scores (B, H, S) -> (B, H, k_max) positions and validity.
+
+    Tokens with identical PQ codes get identical scores, so ties at the k-th score are common; they
+    go to the earliest positions, which makes the choice independent of padding and of the sort
+    algorithm (a left-padded row selects what it selects alone). The tie pass runs only when the
+    boundary is ambiguous.
+    """
+    B, H, S = scores.shape
+    kt = torch.tensor(ks, device=scores.device).view(B, 1, 1)
+    even = min(ks) == k_max
+    vals, top = scores.topk(k_max, dim=-1, sorted=not even)
+    if even:
+        thresh = vals.min(-1, keepdim=True).values
+        in_rank = torch.ones_like(vals, dtype=torch.bool)
+    else:
+        thresh = vals.gather(-1, (kt - 1).clamp(min=0).expand(B, H, 1))
+        in_rank = torch.arange(k_max, device=scores.device).view(1, 1, -1) < kt
+    tied_all = (scores == thresh).sum(-1)
+    tied_in = ((vals == thresh) & in_rank).sum(-1)
+    if not bool((tied_all > tied_in).any()):
+        return top, in_rank
+    strict = scores > thresh
+    ties = scores == thresh
+    need = kt.view(B, 1) - strict.sum(-1)  # (B, H)
+    chosen = strict | (ties & (ties.cumsum(-1) <= need[..., None]))
+    return positions_of(chosen)
+
+
+def positions_of(chosen: torch.Tensor):
+    """chosen (B, H, S) bool -> positions (B, H, n) in increasing order and validity (n = max count)."""
+    counts = chosen.sum(-1)
+    if bool((counts == counts.flatten()[0]).all()):
+        top = chosen.nonzero()[:, 2].view(*chosen.shape[:2], -1)
+        return top, torch.ones_like(top, dtype=torch.bool)
+    n = int(counts.max())
+    pos = torch.arange(chosen.shape[-1], device=chosen.device, dtype=torch.float32)
+    key = torch.where(chosen, -pos, torch.full_like(pos, float("-inf")))  # earliest first
+    flag, top = key.topk(n, dim=-1)
+    return top, flag > float("-inf")
+
+
+def select_top(scores_srh: torch.Tensor, cand, ks, k_max, mode: str):
+    """Per-token scores (B, H, S, R) -> combined -> top-k positions, restricted to candidates."""
+    scores = combine_rows(scores_srh, cand, mode)
+    top, valid = topk_positions(scores, ks, k_max)
+    return top, valid & torch.gather(cand[:, None, :].expand(-1, scores.shape[1], -1), 2, top)

@@ -1,0 +1,226 @@
+"""Every selection method under one interface: exact at full budget, each rule on a case with a known answer."""
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pqcache import PQCache, PQCacheConfig
+from pqcache.methods import METHODS, make_method
+from pqcache.methods.pyramidkv import pyramid_budgets
+
+from .conftest import tiny_model
+
+ALL = list(METHODS)
+SMALL = dict(n_init=4, kmeans_iters=5, bits=4, block_size=16, block_cache_tokens=64)
+
+
+def _greedy(model, ids, cache, n=6, mask=None):
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, cache=cache, pad_token_id=0)
+    return out.sequences, torch.stack(out.scores)
+
+
+def test_registry_names():
+    assert ALL == ["full", "oracle", "streaming", "h2o", "snapkv", "pyramidkv", "sparq", "infllm", "pqcache"]
+    with pytest.raises(ValueError, match="unknown method 'nope'; choose one of full, oracle"):
+        make_method("nope")
+
+
+@pytest.mark.parametrize("method", ALL)
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_full_budget_equals_full_attention(method, arch):
+    model = tiny_model(arch)
+    ids = torch.randint(1, 96, (2, 150), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :30] = 0
+    ids[1, :30] = 0
+    with torch.no_grad():
+        _, ref = _greedy(model, ids, DynamicCache(config=model.config), mask=mask)
+        cache = PQCache(model, PQCacheConfig(token_budget=1.0, **SMALL), method=method)
+        _, scores = _greedy(model, ids, cache, mask=mask)
+    torch.testing.assert_close(scores, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_fork_after_one_prefill_matches_a_fresh_cache(method):
+    """Comparing N methods costs one prefill: a fork continues exactly like a cache of that method."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(1))
+    cfg = PQCacheConfig(token_budget=0.2, **SMALL)
+    with torch.no_grad():
+        base = PQCache(model, cfg, keep_queries=True)
+        model(ids, cache=base)
+        fork = base.fork(method)
+        fresh = PQCache(model, cfg, method=method)
+        model(ids, cache=fresh)
+        fork.wait(), fresh.wait()
+        tok = torch.tensor([[5]])
+        out_fork = model(tok, cache=fork).logits
+        out_fresh = model(tok, cache=fresh).logits
+        out_base = model(tok, cache=base).logits  # the base goes on with its own method, untouched
+    torch.testing.assert_close(out_fork, out_fresh, rtol=1e-5, atol=1e-5)
+    assert fork.layers[0] is not base.layers[0] and fork.pq_layers[0].S == base.pq_layers[0].S == 301
+    assert torch.isfinite(out_base).all()
+
+
+def _one_step(method, ids, cfg, model=None, **kw):
+    model = model or tiny_model("llama")
+    cache = PQCache(model, cfg, method=make_method(method, **kw))
+    with torch.no_grad():
+        model(ids, cache=cache)
+        cache.wait()
+        model(torch.tensor([[7]]), cache=cache)
+    return cache, cache.pq_layers[0]
+
+
+def _selected(layer):
+    top, valid = layer.last_selection
+    return [set(top[0, h][valid[0, h]].tolist()) for h in range(top.shape[1])]
+
+
+def test_oracle_equals_exact_ranking_on_planted_keys():
+    """A layer filled by hand: the oracle picks exactly the k keys with the largest q.k."""
+    from pqcache.bench import filled_layer
+
+    g = torch.Generator().manual_seed(3)
+    keys = torch.randn(1, 1, 500, 16, generator=g)
+    layer = filled_layer(keys, torch.randn_like(keys), PQCacheConfig(token_budget=60, n_init=4, n_local=6, bits=4,
+                                                                        block_cache_tokens=0, gqa_combine="sum"))
+    layer.method = make_method("oracle")
+    q = torch.randn(1, 1, 1, 16, generator=g)
+    top, valid = layer.select(q, 1.0)
+    exact = keys[0, 0] @ q[0, 0, 0]
+    exact[:4] = exact[494:] = float("-inf")
+    assert set(top[0, 0][valid[0, 0]].tolist()) == set(exact.topk(50).indices.tolist())
+
+
+def test_sparq_with_full_rank_selects_like_oracle():
+    ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(4))
+    cfg = PQCacheConfig(token_budget=0.15, **SMALL)
+    _, oracle = _one_step("oracle", ids, cfg)
+    _, sparq = _one_step("sparq", ids, cfg, r=16)  # r = head_dim
+    assert _selected(sparq) == _selected(oracle)
+    _, sparq4 = _one_step("sparq", ids, cfg, r=4)
+    assert _selected(sparq4) != _selected(oracle)  # fewer components: an approximation
+
+
+def test_streaming_keeps_sinks_and_recent_only():
+    ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(5))
+    cfg = PQCacheConfig(token_budget=0.2, **{**SMALL, "n_init": 32})
+    cache, layer = _one_step("streaming", ids, cfg)
+    assert layer.n_init == 4  # StreamingLLM's 4 sinks, whatever n_init says
+    S = 400
+    budget = cfg.budget_tokens(S)
+    for sel in _selected(layer):  # the selection continues the window: the newest candidates
+        window_start = S - layer.n_local[0]
+        assert sel == set(range(window_start - len(sel), window_start))
+        assert 4 + len(sel) + layer.n_local[0] == budget
+
+
+def test_snapkv_keeps_what_the_window_attends_to_and_freezes():
+    ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(6))
+    cfg = PQCacheConfig(token_budget=0.2, **SMALL)
+    model = tiny_model("llama")
+    cache = PQCache(model, cfg, method="snapkv")
+    with torch.no_grad():
+        model(ids, cache=cache)
+        layer = cache.pq_layers[0]
+        scores = layer.method_state["scores"]  # pooled attention of the last 32 prompt queries
+        cand = layer.candidates()[0]
+        k = layer.topk_counts()[0]
+        expected = [set(scores[0, h].masked_fill(~cand, float("-inf")).topk(k).indices.tolist()) for h in range(2)]
+        steps = []
+        for t in range(4):
+            model(torch.tensor([[7 + t]]), cache=cache)
+            steps.append(_selected(layer))
+    first = steps[0]
+    assert first == expected
+    window_start = 300 - layer.n_local[0]  # the prompt's observation window stays kept as well
+    for later in steps[1:]:  # frozen: the prompt part never changes; new tokens only add
+        assert all(f <= s and all(p >= window_start or p in f for p in s) for f, s in zip(first, later))
+
+
+def test_pyramid_budgets_shrink_with_depth_and_sum_to_total():
+    b = pyramid_budgets(100, 8, 20.0, cap=10_000)
+    assert b == sorted(b, reverse=True) and b[0] > b[-1]
+    assert sum(b) == 800
+    assert b[-1] == 5  # k / beta
+    clipped = pyramid_budgets(100, 4, 20.0, cap=120)  # raw 195, 131, 68, 5: the clipped excess moves up
+    assert clipped == [120, 120, 112, 48] and sum(clipped) == 400
+    assert pyramid_budgets(100, 4, 20.0, cap=90) == [90] * 4  # budget covers everything
+    model = tiny_model("llama")
+    cache = PQCache(model, PQCacheConfig(token_budget=0.2, **SMALL), method="pyramidkv")
+    with torch.no_grad():
+        model(torch.randint(1, 96, (1, 400)), cache=cache)
+    ks = [layer.topk_counts()[0] for layer in cache.pq_layers]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1]
+    assert sum(ks) == 3 * PQCacheConfig(token_budget=0.2, **SMALL).split(400)[1]
+
+
+def test_h2o_accumulates_scores_and_evicts_for_good():
+    ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
+    cfg = PQCacheConfig(token_budget=0.2, **SMALL)
+    model = tiny_model("llama")
+    cache = PQCache(model, cfg, method="h2o")
+    with torch.no_grad():
+        model(ids, cache=cache)
+        layer = cache.pq_layers[0]
+        acc0 = layer.method_state["acc"].clone()
+        assert acc0.sum().item() == pytest.approx(2 * 2 * 300, rel=1e-4)  # 2 KV heads x 2 query heads x 300 queries
+        sels = []
+        for t in range(5):
+            model(torch.tensor([[3 + t]]), cache=cache)
+            sels.append(_selected(layer))
+        acc = layer.method_state["acc"]
+    assert (acc[..., :300] >= acc0 - 1e-6).all() and acc.sum() > acc0.sum()  # accumulated over steps
+    assert layer.n_init == 0
+    kept = layer.method_state["kept"]
+    evicted = (~kept[..., :300]).sum().item()
+    assert evicted > 0
+    for h in range(2):  # once evicted, never selected again
+        gone = set((~kept[0, h, :300]).nonzero().squeeze(1).tolist())
+        assert not (gone & sels[-1][h])
+
+
+def test_infllm_picks_blocks_by_representative_keys():
+    from pqcache.bench import filled_layer
+
+    g = torch.Generator().manual_seed(8)
+    D, bs = 16, 16
+    keys = torch.randn(1, 1, 320, D, generator=g) * 0.1
+    q = torch.randn(1, 1, 1, D, generator=g)
+    keys[0, 0, 5 * bs + 3] = 5 * q[0, 0, 0]  # block 5 holds one key that points at q
+    layer = filled_layer(keys, torch.randn_like(keys), PQCacheConfig(token_budget=40, n_init=4, n_local=8, bits=4,
+                                                                        block_cache_tokens=0))
+    method = make_method("infllm", block_size=bs, n_rep=2)
+    layer.method = method
+    queries = q.expand(1, 1, 320, D)  # the blocks' own queries
+    method.on_prefill(layer, queries, 1.0)
+    top, valid = layer.select(q, 1.0)
+    sel = set(top[0, 0][valid[0, 0]].tolist())
+    assert set(range(5 * bs, 6 * bs)) <= sel  # the whole block with the matching representative
+    assert len(sel) <= 2 * bs  # ceil(28 / 16) = 2 blocks
+
+
+@pytest.mark.parametrize("method", ALL)
+def test_every_method_runs_on_the_bundled_model(real_model, method):
+    model, tok = real_model
+    ids = tok("The pass key is 12345. " * 20 + "What is the pass key? The pass key is", return_tensors="pt").input_ids
+    with torch.no_grad():
+        cache = PQCache(model, PQCacheConfig(token_budget=0.3), method=method)
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, cache=cache)
+    assert out.shape[1] == ids.shape[1] + 3
+    assert all(layer.stats["steps"] == 2 for layer in cache.pq_layers)
+
+
+def test_selected_positions_reach_instrumentation():
+    model = tiny_model("llama")
+    cache = PQCache(model, PQCacheConfig(token_budget=0.2, **SMALL), method="streaming")
+    obs = cache.instrument(selections=True)
+    with torch.no_grad():
+        model(torch.randint(1, 96, (1, 200)), cache=cache)
+        model(torch.tensor([[5]]), cache=cache)
+    rec = [r for r in obs.selected if r["layer"] == 0]
+    (step,) = rec
+    positions = step["positions"][0][0]
+    assert positions[:4] == [0, 1, 2, 3] and positions[-1] == 200  # sinks ... the new token
+    assert len(positions) == PQCacheConfig(token_budget=0.2, **SMALL).budget_tokens(200) + 1
