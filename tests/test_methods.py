@@ -116,14 +116,18 @@ def test_streaming_keeps_sinks_and_recent_only():
         assert 4 + len(sel) + layer.n_local[0] == budget
 
 
-def test_snapkv_keeps_what_the_window_attends_to_and_freezes():
-    ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(6))
-    cfg = PQCacheConfig(token_budget=0.2, **SMALL)
+def _prefilled(method, seed, n=300):
+    """A tiny Llama and a cache of `method` prefilled with n random tokens."""
     model = tiny_model("llama")
-    cache = PQCache(model, cfg, method="snapkv")
+    cache = PQCache(model, PQCacheConfig(token_budget=0.2, **SMALL), method=method)
     with torch.no_grad():
-        model(ids, cache=cache)
-        layer = cache.pq_layers[0]
+        model(torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(seed)), cache=cache)
+    return model, cache, cache.pq_layers[0]
+
+
+def test_snapkv_keeps_what_the_window_attends_to_and_freezes():
+    model, cache, layer = _prefilled("snapkv", seed=6)
+    with torch.no_grad():
         scores = layer.method_state["scores"]  # pooled attention of the last 32 prompt queries
         cand = layer.candidates()[0]
         k = layer.topk_counts()[0]
@@ -157,13 +161,8 @@ def test_pyramid_budgets_shrink_with_depth_and_sum_to_total():
 
 
 def test_h2o_accumulates_scores_and_evicts_for_good():
-    ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
-    cfg = PQCacheConfig(token_budget=0.2, **SMALL)
-    model = tiny_model("llama")
-    cache = PQCache(model, cfg, method="h2o")
+    model, cache, layer = _prefilled("h2o", seed=7)
     with torch.no_grad():
-        model(ids, cache=cache)
-        layer = cache.pq_layers[0]
         acc0 = layer.method_state["acc"].clone()
         assert acc0.sum().item() == pytest.approx(2 * 2 * 300, rel=1e-4)  # 2 KV heads x 2 query heads x 300 queries
         sels = []
