@@ -1,7 +1,10 @@
-"""PQCache Studio (first cut): ask a question about a document and watch the answer stream.
+"""PQCache Studio: ask questions about a long document and watch PQ-retrieved attention at work.
 
-The live cache panels and the teaching mode come with the app issue; this page already runs the
-real engine. Run: python app.py [--host 127.0.0.1] [--port 7860] [--model default|PATH]
+python app.py [--host 127.0.0.1] [--port 7860] [--model default|PATH]
+
+Tabs: Document Q&A (upload or paste, prefill once, streamed answers, live cache panels), Teaching
+(one prefill, several methods side by side, token spotlight, step-through walkthrough), Cost model.
+This file is UI only: the engine is pqcache/, the figures viz/.
 """
 from __future__ import annotations
 
@@ -9,99 +12,354 @@ import argparse
 import os
 import queue
 import threading
+import time
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
-os.environ.setdefault("NO_PROXY", "localhost,127.0.0.1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+for var in ("NO_PROXY", "no_proxy"):  # the browser and the client talk to localhost directly
+    os.environ[var] = ",".join(filter(None, [os.environ.get(var, ""), "localhost", "127.0.0.1"]))
 
 import gradio as gr  # noqa: E402
 
-from pqcache import PQCacheConfig, PQCacheConfigError, load_model  # noqa: E402
-from pqcache.generate import build_prompt, generate  # noqa: E402
+from pqcache import METHODS, Instrumentation, PQCacheConfig, PQCacheConfigError, load_model  # noqa: E402
+from pqcache import costmodel  # noqa: E402
+from pqcache.session import DocumentSession  # noqa: E402
+from viz import figures  # noqa: E402
 
-_model = {}
-_lock = threading.Lock()  # one generation at a time on this 2-core machine
-
-
-def read_document(path: str | None, pasted: str) -> str:
-    if not path:
-        return pasted or ""
-    if path.lower().endswith(".pdf"):
-        from pypdf import PdfReader
-
-        return "\n".join(page.extract_text() or "" for page in PdfReader(path).pages)
-    with open(path, encoding="utf-8", errors="replace") as f:
-        return f.read()
+ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+TEACHING_DOC = os.path.join(ASSETS, "teaching_doc.txt")
+TEACHING_FACTS = {"the code to open the blue door": "What is the code to open the blue door? The code is",
+                  "the treasure is buried under": "Where is the treasure buried? The treasure is buried under",
+                  "the captain's cat is named": "What is the name of the captain's cat? The cat is named"}
+REFRESH_S = 0.25  # panels update several times a second while tokens stream
+MODEL: dict = {}
 
 
-def answer(file, pasted, question, method, budget, max_new_tokens):
-    if not question or not question.strip():
-        yield "Please type a question.", ""
-        return
+# ---- helpers (no tensors) --------------------------------------------------------------------------
+def read_document(path: str | None, pasted: str | None) -> str:
+    if path:
+        if path.lower().endswith(".pdf"):
+            from pypdf import PdfReader
+
+            try:
+                return "\n".join(page.extract_text() or "" for page in PdfReader(path).pages)
+            except Exception as exc:  # pypdf raises many kinds on broken files
+                raise ValueError(f"could not read the PDF: {exc}") from exc
+        if not path.lower().endswith((".txt", ".md")):
+            raise ValueError("upload a .txt, .md or .pdf file")
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return f.read()
+    return pasted or ""
+
+
+def make_config(m, bits, budget, n_init, n_local, policy, capacity) -> PQCacheConfig:
+    budget = float(budget)
+    return PQCacheConfig(m=int(m), bits=int(bits), token_budget=int(budget) if budget > 1 else budget,
+                         n_init=int(n_init), n_local=int(n_local) or None, cache_policy=policy,
+                         block_cache_tokens=int(capacity) // 128 * 128)
+
+
+def merged_data(session: DocumentSession | None, obs: Instrumentation | None) -> dict:
+    """The prefill's recorded data followed by the question's, on one clock."""
+    data = {"lanes": [], "events": [], "attention": [], "recall": [], "blocks": [], "selected": []}
+    if session is not None and session.prefill_obs is not None:
+        data.update({k: list(v) if isinstance(v, list) else v for k, v in session.prefill_obs.to_dict().items()})
+    if obs is not None:
+        d = obs.to_dict()
+        shift = obs.t0 - session.prefill_obs.t0 if session is not None and session.prefill_obs else 0.0
+        data["events"] = data["events"] + [{**e, "start": e["start"] + shift, "end": e["end"] + shift}
+                                           for e in d["events"]]
+        for key in ("attention", "recall", "blocks", "selected"):
+            data[key] = d[key]
+    return data
+
+
+def panels(session, obs, layer):
+    data = merged_data(session, obs)
+    stats = getattr(session, "last_stats", None) or (session.cache.stats() if session and session.cache else None)
+    layer = int(layer) if layer not in (None, "") else None
+    return (figures.power_law(data, layer), figures.recall(data), figures.hit_rate(data),
+            figures.timeline(data), figures.memory(stats))
+
+
+def pq_layer_choices(session) -> list[str]:
+    if session is None or session.cache is None:
+        return []
+    return [str(layer.layer_idx) for layer in session.cache.pq_layers]
+
+
+# ---- Document Q&A -----------------------------------------------------------------------------------
+def load_document(file, pasted, method, m, bits, budget, n_init, n_local, policy, capacity, state,
+                  progress=gr.Progress()):
+    """Prefill the document once; later questions reuse it."""
+    state = state or {}
     try:
-        config = PQCacheConfig(token_budget=float(budget))
-        document = read_document(file, pasted)
-    except (PQCacheConfigError, OSError, ValueError) as exc:
-        yield f"Error: {exc}", ""
+        config = make_config(m, bits, budget, n_init, n_local, policy, capacity)
+        text = read_document(file, pasted)
+        session = DocumentSession(MODEL["model"], MODEL["tokenizer"], config, method=method)
+        progress(0.0, desc="tokenizing")
+        info = session.load(text, progress=lambda f, msg: progress(f, desc=msg))
+    except (PQCacheConfigError, ValueError, OSError) as exc:
+        return (state, f"**Error:** {exc}", gr.update(), *panels(state.get("session"), None, None))
+    state = {"session": session, "stop": threading.Event()}
+    choices = pq_layer_choices(session)
+    status = (f"Loaded **{info['tokens']}** tokens, prefill **{info['prefill_s']:.2f} s**; PQ on layers "
+              f"{', '.join(choices)}; device KV {info['device_kv_bytes'] / 2**20:.1f} MiB, host KV "
+              f"{info['host_kv_bytes'] / 2**20:.1f} MiB, PQ {info['pq_bytes'] / 2**10:.0f} KiB.")
+    return (state, status, gr.update(choices=choices, value=choices[0] if choices else None),
+            *panels(session, None, choices[0] if choices else None))
+
+
+def ask(question, chat, method, max_new_tokens, layer, state):
+    """Stream the answer and refresh the panels while it is generated."""
+    chat = list(chat or [])
+    session = (state or {}).get("session")
+    if session is None:
+        chat.append({"role": "assistant", "content": "Load a document first."})
+        yield chat, "", *panels(None, None, None)
         return
-    model, tok = _model["model"], _model["tokenizer"]
-    pieces: queue.Queue = queue.Queue()
+    if not question or not question.strip():
+        yield chat, "Type a question.", *panels(session, None, layer)
+        return
+    stop = state["stop"]
+    stop.clear()
+    obs = Instrumentation(timeline=True, attention_every=4, recall_every=4)
+    updates: queue.Queue = queue.Queue()
+    result = {}
 
     def work():
         try:
-            with _lock:
-                result = generate(model, tok, build_prompt(tok, document, question), method=method, config=config,
-                                  max_new_tokens=int(max_new_tokens), on_token=lambda text: pieces.put(("text", text)))
-            pieces.put(("done", result))
-        except Exception as exc:  # shown to the user, the session goes on
-            pieces.put(("error", exc))
+            result["answer"] = session.ask(question, method=method, max_new_tokens=int(max_new_tokens), stop=stop,
+                                           observer=obs, on_token=lambda a: updates.put(a.text))
+        except Exception as exc:  # shown in the chat; the session stays usable
+            result["error"] = exc
+        updates.put(None)
 
+    chat += [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
     threading.Thread(target=work, daemon=True).start()
-    text = ""
-    while True:
-        kind, item = pieces.get()
-        if kind == "text":
-            text = item
-            yield text, ""
-        elif kind == "error":
-            yield text, f"Error: {item}"
-            return
-        else:
-            s = item.stats
-            yield item.text, (f"{s['method']}: {s['prompt_tokens']} prompt tokens, prefill {s['prefill_s']:.2f} s, "
-                              f"{1 / max(s['s_per_token'], 1e-9):.1f} tokens/s, device KV "
-                              f"{s['device_kv_bytes'] / 2**20:.1f} MiB, host KV {s['host_kv_bytes'] / 2**20:.1f} MiB, "
-                              f"PQ {s['pq_bytes'] / 2**10:.0f} KiB")
-            return
+    t0, last, done = time.perf_counter(), 0.0, False
+    while not done:
+        try:
+            item = updates.get(timeout=REFRESH_S)
+            done = item is None
+            if item:
+                chat[-1]["content"] = item
+        except queue.Empty:
+            pass
+        now = time.perf_counter()
+        if done or now - last >= REFRESH_S:
+            last = now
+            n = len(result.get("answer").tokens) if "answer" in result else len(chat[-1]["content"].split())
+            yield chat, f"{method}: generating... {now - t0:.1f} s", *panels(session, obs, layer)
+    if "error" in result:
+        chat[-1]["content"] = f"Error: {result['error']}"
+        yield chat, "", *panels(session, obs, layer)
+        return
+    answer = result["answer"]
+    n = len(answer.tokens)
+    status = (f"{method}: {n} tokens in {answer.seconds:.2f} s ({n / max(answer.seconds, 1e-9):.1f} tokens/s)"
+              + (" (stopped)" if answer.stopped else ""))
+    yield chat, status, *panels(session, obs, layer)
 
 
+def stop_generation(state):
+    if state and state.get("stop") is not None:
+        state["stop"].set()
+    return "stopped"
+
+
+# ---- Teaching ----------------------------------------------------------------------------------------
+def run_teaching(methods, fact, budget, state, progress=gr.Progress()):
+    """One prefill of the preset document, then each method answers the same question."""
+    if not methods:
+        return state, "Pick at least one method.", [], figures.heat_strip({}, 1), []
+    with open(TEACHING_DOC, encoding="utf-8") as f:
+        text = f.read()
+    config = PQCacheConfig(token_budget=float(budget))
+    session = DocumentSession(MODEL["model"], MODEL["tokenizer"], config, method="pqcache")
+    session.load(text, progress=lambda f, msg: progress(0.5 * f, desc=msg))
+    tok = MODEL["tokenizer"]
+    char = text.lower().find(fact)
+    fact_pos = len(tok(text[:char]).input_ids) if char >= 0 else None
+    rows, selections, texts = [], {}, {}
+    for i, method in enumerate(methods):
+        progress(0.5 + 0.5 * i / len(methods), desc=f"{method} answering")
+        obs = Instrumentation(timeline=False, selections=True)
+        answer = session.ask(TEACHING_FACTS[fact], method=method, max_new_tokens=8, observer=obs)
+        layer0 = min((r["layer"] for r in obs.selected), default=None)
+        last = [r for r in obs.selected if r["layer"] == layer0]
+        positions = sorted({p for head in last[0]["positions"][0] for p in head}) if last else []
+        selections[method] = [p for p in positions if p < session.n_tokens]
+        rows.append([method, answer.text.strip(), len(selections[method])])
+        texts[method] = selections[method]
+    state = {"teaching": session, "selections": texts, "fact_pos": fact_pos}
+    marks = [fact_pos] if fact_pos is not None else []
+    return (state, f"Prefilled {session.n_tokens} tokens once; the fact starts at token {fact_pos}.", rows,
+            figures.heat_strip(selections, session.n_tokens, marks), spotlight_text(state, methods[0]))
+
+
+def spotlight_text(state, method):
+    """The document tokens around the fact, marked where `method` attended at its first step."""
+    if not state or "teaching" not in state or method not in state["selections"]:
+        return []
+    session = state["teaching"]
+    chosen = set(state["selections"][method])
+    fact = state["fact_pos"] or 0
+    lo, hi = max(0, fact - 60), min(session.n_tokens, fact + 60)
+    tok = MODEL["tokenizer"]
+    return [(tok.decode([session.doc_ids[p]]), "attended" if p in chosen else None) for p in range(lo, hi)]
+
+
+WALKTHROUGH = {
+    "1. Prefill": ("Every layer computes exact attention over the whole document. Each full-attention layer's K/V "
+                   "is copied to host memory as soon as the layer is done.", "timeline"),
+    "2. PQ build": ("While later layers compute, a background worker clusters each layer's keys: m sub-spaces, "
+                    "2^bits centroids each (faiss K-Means). Orange bars overlap blue ones: the clustering hides "
+                    "behind compute.", "timeline"),
+    "3. Search": ("For a new token, q . centroids gives a small table; every document token's approximate score is "
+                  "a sum of table entries picked by its uint8 codes; the top-k are the candidates.", "recall"),
+    "4. Fetch": ("Only the top-k tokens' K/V come back from host memory, hot blocks straight from the device "
+                 "block cache.", "hit_rate"),
+    "5. Attention": ("Attention runs over sinks + top-k + the recent window. Attention scores follow a power law: "
+                     "a few tokens carry most of the mass, which is why this works.", "power_law"),
+}
+
+
+def walkthrough(step, state):
+    text, fig = WALKTHROUGH[step]
+    session = (state or {}).get("teaching")
+    data = merged_data(session, None) if session else {}
+    if session is not None and fig != "timeline":
+        obs = Instrumentation(timeline=True, attention_every=1, recall_every=1)
+        session.ask(next(iter(TEACHING_FACTS.values())), method="pqcache", max_new_tokens=3, observer=obs)
+        data = merged_data(session, obs)
+    builder = {"timeline": figures.timeline, "recall": figures.recall, "hit_rate": figures.hit_rate,
+               "power_law": figures.power_law}[fig]
+    return f"**{step}.** {text}", builder(data)
+
+
+# ---- Cost model ------------------------------------------------------------------------------------------
+def cost(model, context, batch, gpu, link, budget):
+    config = PQCacheConfig(token_budget=float(budget))
+    e = costmodel.estimate(model, int(context), int(batch), gpu, link, config)
+    rows = [["device KV, full attention (GiB)", f"{e['full_kv_gib']:.2f}"],
+            ["device KV, PQCache (GiB)", f"{e['pqcache_device_gib']:.2f}"],
+            ["PQ codes + centroids (GiB)", f"{e['pq_gib']:.3f}"],
+            ["weights (GiB)", f"{e['weights_gib']:.1f}"],
+            ["fits on the GPU: full / PQCache", f"{e['full_fits']} / {e['pqcache_fits']}"],
+            ["host link per output token (MiB)", f"{e['link_mib_per_token']:.1f}"],
+            ["attention per token: full / PQCache (ms)", f"{e['full_attention_ms']:.2f} / {e['pqcache_attention_ms']:.2f}"],
+            ["prefill (s)", f"{e['prefill_s']:.2f}"],
+            ["K-Means iterations hidden behind prefill (T_max)", str(e["t_max"])]]
+    return rows, figures.cost_curves(costmodel.curve(model, int(batch), gpu, link, config))
+
+
+# ---- layout ------------------------------------------------------------------------------------------------
 def build_ui() -> gr.Blocks:
+    methods = list(METHODS)
     with gr.Blocks(title="PQCache Studio") as demo:
-        gr.Markdown("# PQCache Studio\nAttention reads only the tokens that product-quantization search picks.")
-        with gr.Row():
-            with gr.Column():
-                file = gr.File(label="Document (.txt, .md, .pdf)", file_types=[".txt", ".md", ".pdf"], type="filepath")
-                pasted = gr.Textbox(label="...or paste text", lines=8)
-            with gr.Column():
-                question = gr.Textbox(label="Question")
-                method = gr.Radio(["pqcache", "full"], value="pqcache", label="Method")
-                budget = gr.Slider(0.05, 1.0, value=0.2, step=0.05, label="Token budget (fraction of the context)")
-                max_new = gr.Slider(1, 256, value=32, step=1, label="Max new tokens")
-                ask = gr.Button("Ask", variant="primary")
-                out = gr.Textbox(label="Answer", lines=6)
-                stats = gr.Markdown()
-        ask.click(answer, [file, pasted, question, method, budget, max_new], [out, stats])
+        gr.Markdown("# PQCache Studio\nAttention that reads only the tokens product-quantization search picks.")
+        with gr.Tab("Document Q&A"):
+            state = gr.State(None)
+            with gr.Row():
+                with gr.Column(scale=2):
+                    file = gr.File(label="Document (.txt, .md, .pdf)", type="filepath")
+                    pasted = gr.Textbox(label="...or paste text", lines=4, max_lines=8)
+                    with gr.Accordion("Settings", open=False):
+                        method = gr.Dropdown(methods, value="pqcache", label="Method")
+                        with gr.Row():
+                            m = gr.Number(2, label="m (sub-spaces)", precision=0)
+                            bits = gr.Number(6, label="bits", precision=0)
+                            budget = gr.Number(0.2, label="token budget (fraction or count)")
+                        with gr.Row():
+                            n_init = gr.Number(32, label="sink tokens", precision=0)
+                            n_local = gr.Number(0, label="window (0: half the budget)", precision=0)
+                        with gr.Row():
+                            policy = gr.Radio(["lfu", "lru"], value="lfu", label="block-cache policy")
+                            capacity = gr.Number(1024, label="block cache (tokens)", precision=0)
+                        max_new = gr.Slider(1, 256, value=48, step=1, label="max new tokens")
+                    load = gr.Button("Load document", variant="secondary")
+                    status = gr.Markdown("No document loaded.", elem_id="doc-status")
+                    chat = gr.Chatbot(label="Answers", height=300, elem_id="chat")
+                    question = gr.Textbox(label="Question", placeholder="Ask about the document", elem_id="question")
+                    with gr.Row():
+                        ask_btn = gr.Button("Ask", variant="primary", elem_id="ask")
+                        stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+                    gen_status = gr.Markdown("", elem_id="gen-status")
+                with gr.Column(scale=3):
+                    layer = gr.Dropdown([], label="Layer (power law)", allow_custom_value=True)
+                    with gr.Row():
+                        p_power = gr.Plot(elem_id="panel-power")
+                        p_recall = gr.Plot(elem_id="panel-recall")
+                    with gr.Row():
+                        p_hits = gr.Plot(elem_id="panel-hits")
+                        p_memory = gr.Plot(elem_id="panel-memory")
+                    p_timeline = gr.Plot(elem_id="panel-timeline")
+            plots = [p_power, p_recall, p_hits, p_timeline, p_memory]
+            load.click(load_document, [file, pasted, method, m, bits, budget, n_init, n_local, policy, capacity, state],
+                       [state, status, layer, *plots], api_name="load_document")
+            asking = ask_btn.click(ask, [question, chat, method, max_new, layer, state], [chat, gen_status, *plots],
+                                   api_name="ask")
+            question.submit(ask, [question, chat, method, max_new, layer, state], [chat, gen_status, *plots])
+            stop_btn.click(stop_generation, [state], [gen_status], api_name="stop")
+            layer.change(lambda layer, st: panels((st or {}).get("session"), None, layer), [layer, state], plots,
+                         api_name=False)
+
+        with gr.Tab("Teaching"):
+            t_state = gr.State(None)
+            gr.Markdown("One prefill of a preset document with three hidden facts; each method answers the same "
+                        "question under the same budget. The strip shows where each method's attention went "
+                        "(first full-attention layer, first generated token); the red line is the fact.")
+            with gr.Row():
+                t_methods = gr.CheckboxGroup(methods, value=["pqcache", "snapkv", "streaming", "oracle"],
+                                             label="Methods")
+                t_fact = gr.Dropdown(list(TEACHING_FACTS), value=list(TEACHING_FACTS)[0], label="Hidden fact")
+                t_budget = gr.Slider(0.05, 0.5, value=0.1, step=0.05, label="token budget")
+            t_run = gr.Button("Run side by side", variant="primary")
+            t_status = gr.Markdown()
+            t_table = gr.Dataframe(headers=["method", "answer", "tokens attended"], interactive=False)
+            t_strip = gr.Plot()
+            t_pick = gr.Dropdown(methods, value="pqcache", label="Highlight the tokens this method attended to")
+            t_text = gr.HighlightedText(label="Around the fact", combine_adjacent=True)
+            t_run.click(run_teaching, [t_methods, t_fact, t_budget, t_state], [t_state, t_status, t_table, t_strip,
+                                                                                t_text])
+            t_pick.change(spotlight_text, [t_state, t_pick], [t_text])
+            gr.Markdown("### Walkthrough of one decode step")
+            w_step = gr.Radio(list(WALKTHROUGH), value="1. Prefill", label="Step")
+            w_text = gr.Markdown()
+            w_plot = gr.Plot()
+            w_step.change(walkthrough, [w_step, t_state], [w_text, w_plot])
+
+        with gr.Tab("Cost model"):
+            gr.Markdown("A **model**, not a measurement: " + costmodel.__doc__.split("\n\n")[0].replace("\n", " ")
+                        + "\n\n```\n" + costmodel.__doc__.split("\n\n")[1] + "\n```")
+            with gr.Row():
+                c_model = gr.Dropdown(list(costmodel.MODELS), value="Llama-3.1-8B", label="Model")
+                c_gpu = gr.Dropdown(list(costmodel.GPUS), value="RTX 4090", label="GPU")
+                c_link = gr.Dropdown(list(costmodel.LINKS), value="PCIe 4.0 x16", label="Host link")
+            with gr.Row():
+                c_ctx = gr.Number(131072, label="context (tokens)", precision=0)
+                c_batch = gr.Number(1, label="batch", precision=0)
+                c_budget = gr.Number(0.2, label="token budget")
+            c_btn = gr.Button("Estimate")
+            c_table = gr.Dataframe(headers=["quantity", "value"], interactive=False)
+            c_plot = gr.Plot()
+            c_btn.click(cost, [c_model, c_ctx, c_batch, c_gpu, c_link, c_budget], [c_table, c_plot], api_name="cost")
+        demo.load(lambda: cost("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", 0.2), None, [c_table, c_plot])
     return demo
 
 
 def main():
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(description="PQCache Studio")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--model", default="default")
+    p.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
     args = p.parse_args()
     print("preparing the model (the first start converts the bundled GGUF, about a minute)...", flush=True)
-    _model["model"], _model["tokenizer"] = load_model(args.model)
-    build_ui().queue().launch(server_name=args.host, server_port=args.port)
+    MODEL["model"], MODEL["tokenizer"] = load_model(args.model, progress=lambda msg: print(msg, flush=True))
+    print("model ready", flush=True)
+    build_ui().queue(default_concurrency_limit=2).launch(server_name=args.host, server_port=args.port,
+                                                         show_error=False)
 
 
 if __name__ == "__main__":
