@@ -317,18 +317,20 @@ def build_ui() -> gr.Blocks:
                 t_budget = gr.Slider(0.05, 0.5, value=0.1, step=0.05, label="token budget")
             t_run = gr.Button("Run side by side", variant="primary")
             t_status = gr.Markdown()
-            t_table = gr.Dataframe(headers=["method", "answer", "tokens attended"], interactive=False)
-            t_strip = gr.Plot()
+            t_table = gr.Dataframe(headers=["method", "answer", "tokens attended"], interactive=False,
+                                   elem_id="teaching-table")
+            t_strip = gr.Plot(elem_id="teaching-strip")
             t_pick = gr.Dropdown(methods, value="pqcache", label="Highlight the tokens this method attended to")
             t_text = gr.HighlightedText(label="Around the fact", combine_adjacent=True)
-            t_run.click(run_teaching, [t_methods, t_fact, t_budget, t_state], [t_state, t_status, t_table, t_strip,
-                                                                                t_text])
             t_pick.change(spotlight_text, [t_state, t_pick], [t_text])
             gr.Markdown("### Walkthrough of one decode step")
             w_step = gr.Radio(list(WALKTHROUGH), value="1. Prefill", label="Step")
             w_text = gr.Markdown()
             w_plot = gr.Plot()
             w_step.change(walkthrough, [w_step, t_state], [w_text, w_plot])
+            t_run.click(run_teaching, [t_methods, t_fact, t_budget, t_state],
+                        [t_state, t_status, t_table, t_strip, t_text]).then(
+                walkthrough, [w_step, t_state], [w_text, w_plot])
 
         with gr.Tab("Cost model"):
             gr.Markdown("A **model**, not a measurement: " + costmodel.__doc__.split("\n\n")[0].replace("\n", " ")

@@ -44,3 +44,38 @@ def real_model():
     from pqcache import load_model
 
     return load_model("default", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def app_url():
+    """`python app.py` launched as a user launches it, on a free localhost port."""
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=root, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 300
+    while True:  # wait until the server accepts connections
+        if proc.poll() is not None:
+            raise RuntimeError(proc.stdout.read())
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if time.time() > deadline:
+                proc.kill()
+                raise RuntimeError("app did not start within 300 s")
+            time.sleep(0.5)
+    yield f"http://127.0.0.1:{port}/"
+    proc.terminate()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        proc.kill()

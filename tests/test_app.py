@@ -1,51 +1,71 @@
-"""The first-cut app: launched as users launch it, asked through gradio_client."""
-import socket
-import subprocess
-import sys
+"""The app through gradio_client: upload, prefill, streamed answers, stop, a second question, bad input."""
 import time
 from pathlib import Path
 
 import pytest
+from gradio_client import Client, handle_file
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+PASSKEY = ROOT / "assets" / "passkey_1k.txt"
+QUESTION = "What is the pass key? The pass key is"
+SETTINGS = ["pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024]  # method, m, bits, budget, sinks, window, policy, cache
 
 
 @pytest.fixture(scope="module")
-def app_url():
-    port = _free_port()
-    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}/"
-    deadline = time.time() + 300
-    while time.time() < deadline:  # wait for the server to accept connections
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(timeout=30)
-
-
-def test_app_answers_passkey_and_survives_bad_input(app_url):
-    from gradio_client import Client
-
+def client(app_url):
     client = Client(app_url, verbose=False)
-    doc = (ROOT / "assets" / "passkey_1k.txt").read_text()
-    text, stats = client.predict(None, doc, "What is the pass key? The pass key is", "pqcache", 0.2, 6,
-                                 api_name="/answer")
-    assert "68422" in text
-    assert "prompt tokens" in stats and "host KV" in stats
-    text, _ = client.predict(None, doc, "   ", "pqcache", 0.2, 6, api_name="/answer")
-    assert "Please type a question" in text
-    text, _ = client.predict(None, doc, "What is the pass key? The pass key is", "full", 0.2, 6, api_name="/answer")
-    assert "68422" in text
+    status = client.predict(handle_file(str(PASSKEY)), "", *SETTINGS, api_name="/load_document")[0]
+    assert "Loaded" in status and "PQ on layers 5, 11, 17" in status
+    return client
+
+
+def _answer(outputs):
+    return outputs[0][-1]["content"][0]["text"]
+
+
+def test_answer_streams_and_panels_fill(client):
+    job = client.submit(QUESTION, [], "pqcache", 12, "5", api_name="/ask")
+    outputs = list(job)
+    assert len(outputs) >= 2  # streamed: several updates, not one
+    assert "68422" in _answer(outputs[-1])
+    assert "tokens/s" in outputs[-1][1]
+    for panel in outputs[-1][2:]:  # power law, recall, hit rate, timeline, memory: all drawn
+        assert panel is not None and "plot" in panel
+
+
+def test_second_question_reuses_the_document(client):
+    first = list(client.submit(QUESTION, [], "pqcache", 6, "5", api_name="/ask"))[-1]
+    chat = first[0]
+    second = list(client.submit("Repeat the pass key: 6", chat, "snapkv", 4, "5", api_name="/ask"))[-1]
+    assert len(second[0]) == 4  # both turns in the chat
+    assert second[1].startswith("snapkv:")
+
+
+def test_stop_halts_generation(client):
+    job = client.submit(QUESTION, [], "pqcache", 256, "5", api_name="/ask")
+    deadline = time.time() + 120
+    while len(job.outputs()) < 3 and time.time() < deadline:  # let a few tokens stream
+        time.sleep(0.2)
+    assert client.predict(api_name="/stop") == "stopped"
+    while not job.done():
+        time.sleep(0.2)
+    final = job.outputs()[-1]
+    assert "(stopped)" in final[1]
+    n_tokens = int(final[1].split(": ")[1].split(" tokens")[0])
+    assert 0 < n_tokens < 256
+
+
+def test_bad_input_gives_a_message_and_the_session_survives(client):
+    status = client.predict(None, "   ", *SETTINGS, api_name="/load_document")[0]
+    assert status.startswith("**Error:**") and "empty" in status
+    bad = client.predict(None, "some text", "pqcache", 3, 6, 0.2, 32, 0, "lfu", 1024, api_name="/load_document")[0]
+    assert "m=3 must divide" in bad
+    out = list(client.submit(QUESTION, [], "pqcache", 8, "5", api_name="/ask"))[-1]
+    assert "68422" in _answer(out)  # the loaded document is still there
+
+
+def test_cost_model_endpoint(client):
+    table, plot = client.predict("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", 0.2, api_name="/cost")
+    rows = dict((r[0], r[1]) for r in table["data"])
+    assert rows["device KV, full attention (GiB)"] == "16.00"
+    assert plot is not None
