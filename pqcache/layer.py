@@ -56,7 +56,7 @@ class PQLayer(CacheLayerMixin):
         self.S = 0  # positions stored (padded coordinates)
         self.prefilled = False
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.jobs: list[tuple[Future, float]] = []  # PQ builds in flight: (future, time submitted)
+        self.jobs: list[Future] = []  # PQ builds in flight
         self.segments: list[tuple[int, torch.Tensor]] = []  # (start position, centroids)
         self.obs = None  # Instrumentation, when attached
         self.method_state: dict = {}
@@ -261,7 +261,7 @@ class PQLayer(CacheLayerMixin):
 
     # ---- PQ builds (background) ----------------------------------------------------------------------
     def _submit(self, start: int, end: int, iters: int, kind: str):
-        self.jobs.append((self.executor.submit(self._build, start, end, iters, kind), time.perf_counter()))
+        self.jobs.append(self.executor.submit(self._build, start, end, iters, kind))
 
     def _build(self, start: int, end: int, iters: int, kind: str):
         """K-Means over the searchable tokens of [start, end) of each row; codes for [start, end)."""
@@ -315,9 +315,9 @@ class PQLayer(CacheLayerMixin):
 
     def _wait_jobs(self, block: bool = True):
         remaining = []
-        for fut, submitted in self.jobs:
+        for fut in self.jobs:
             if not block and not fut.done():
-                remaining.append((fut, submitted))
+                remaining.append(fut)
                 continue
             ready = fut.done()
             t0 = time.perf_counter()
