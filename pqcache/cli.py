@@ -57,6 +57,33 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto")
     b.add_argument("--json", action="store_true", help='print one object {"rows": [...]}')
 
+    e = sub.add_parser("eval", help="compare methods on a case file (or: eval recall)")
+    e.add_argument("mode", nargs="?", choices=["recall"], help="recall: PQ recall study on the model's real keys")
+    e.add_argument("--cases", type=Path, help="JSONL: id, context, question, answers[, query_aware]")
+    e.add_argument("--methods", default="full,pqcache", help="comma-separated method names")
+    e.add_argument("--out", type=Path, help="write one JSON line per case and method")
+    e.add_argument("--group-by", default="", help="comma-separated case fields for the summary")
+    e.add_argument("--model", default="default")
+    e.add_argument("--device", default="auto")
+    e.add_argument("--max-new-tokens", type=int, default=24)
+    e.add_argument("--token-budget", type=_budget, default=0.1)
+    e.add_argument("--m", type=int, default=PQCacheConfig.m)
+    e.add_argument("--bits", type=int, default=PQCacheConfig.bits)
+    e.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
+    e.add_argument("--n-local", type=int, default=None)
+    e.add_argument("--context-tokens", type=int, default=4096, help="recall: essay tokens used")
+    e.add_argument("--json", action="store_true")
+
+    d = sub.add_parser("datasets", help="write case files offline (needle in a haystack, RULER-style)")
+    d.add_argument("kind", choices=["niah", "ruler"])
+    d.add_argument("--out", type=Path, required=True)
+    d.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[2048, 4096, 8192])
+    d.add_argument("--depths", type=lambda t: [float(x) for x in t.split(",")], default=[0.1, 0.5, 0.9])
+    d.add_argument("--tasks", default=None, help="ruler: comma-separated tasks (default: all)")
+    d.add_argument("--n", type=int, default=2, help="ruler: cases per task and length")
+    d.add_argument("--query-aware", choices=["both", "true", "false"], default="both")
+    d.add_argument("--seed", type=int, default=0)
+
     c = sub.add_parser("calibrate", help="fit the adaptive K-Means iteration rule on this machine")
     c.add_argument("--model", default="default")
     c.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=[512, 1024, 2048, 4096])
@@ -171,6 +198,65 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
+def cmd_eval(args) -> int:
+    from . import evaluate
+    from .loading import load_model
+    from .methods import METHODS
+
+    if args.mode is None and args.cases is None:
+        raise ValueError("give --cases FILE.jsonl (or `eval recall`)")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    cases = evaluate.load_cases(args.cases) if args.mode is None else None
+    config = PQCacheConfig(m=args.m, bits=args.bits, token_budget=args.token_budget, n_init=args.n_init,
+                           n_local=args.n_local)
+    model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
+    if args.mode == "recall":
+        from .datasets import essays_text
+
+        text = tok.decode(tok(essays_text()).input_ids[1:args.context_tokens])
+        rows = evaluate.recall_study(model, tok, text)
+        print(json.dumps({"rows": rows}) if args.json else _table(rows))
+        return 0
+    from tqdm import tqdm
+
+    rows = []
+    out = open(args.out, "w", encoding="utf-8") if args.out else None
+    try:
+        for case in tqdm(cases, desc="cases", file=sys.stderr):
+            for row in evaluate.run_case(model, tok, case, methods, config, args.max_new_tokens):
+                rows.append(row)
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+    finally:
+        if out:
+            out.close()
+    group = [g for g in args.group_by.split(",") if g]
+    summary = evaluate.summarize(rows, group)
+    print(json.dumps({"rows": summary}) if args.json else _table(summary))
+    return 0
+
+
+def cmd_datasets(args) -> int:
+    from transformers import AutoTokenizer
+
+    from . import datasets
+    from .loading import prepare_default_model
+
+    tok = AutoTokenizer.from_pretrained(prepare_default_model(lambda msg: print(msg, file=sys.stderr)))
+    if args.kind == "niah":
+        cases = datasets.niah(tok, args.lengths, args.depths, args.query_aware)
+    else:
+        tasks = args.tasks.split(",") if args.tasks else datasets.RULER_TASKS
+        cases = [c for n in args.lengths for c in datasets.ruler(tok, tasks, n, args.n, args.seed, args.query_aware)]
+    datasets.write_jsonl(cases, args.out)
+    print(f"wrote {len(cases)} cases to {args.out}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     from transformers.utils import logging as hf_logging
@@ -181,7 +267,11 @@ def main(argv=None) -> int:
             return cmd_generate(args)
         if args.command == "calibrate":
             return cmd_calibrate(args)
+        if args.command == "eval":
+            return cmd_eval(args)
+        if args.command == "datasets":
+            return cmd_datasets(args)
         return cmd_bench(args)
-    except (PQCacheConfigError, ModelNotFoundError, ValueError) as exc:
+    except (PQCacheConfigError, ModelNotFoundError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,4 +8,5 @@ if [ ! -x /usr/bin/chromium ]; then
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq chromium
 fi
-pip install -r requirements.txt -r requirements-test.txt
+bash scripts/install.sh
+pip install -r requirements-test.txt

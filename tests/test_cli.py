@@ -102,3 +102,30 @@ def test_generate_every_method_from_the_cli(method):
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["stats"]["method"] == method and len(result["tokens"]) == 3
+
+
+def test_datasets_and_eval_end_to_end(tmp_path):
+    cases = tmp_path / "niah.jsonl"
+    proc = run_cli("datasets", "niah", "--lengths", "700", "--depths", "0.5", "--query-aware", "both",
+                   "--out", str(cases))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert len(cases.read_text().splitlines()) == 2
+    out = tmp_path / "results.jsonl"
+    proc = run_cli("eval", "--cases", str(cases), "--methods", "full,pqcache,snapkv", "--max-new-tokens", "4",
+                   "--out", str(out), "--group-by", "query_aware", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads(proc.stdout)["rows"]
+    assert {(r["query_aware"], r["method"]) for r in summary} == {(q, m) for q in (True, False)
+                                                                 for m in ("full", "pqcache", "snapkv")}
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 6 and all(0 <= r["score"] <= 1 for r in rows)
+
+
+def test_eval_bad_input_messages(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"id": "x"}\n')
+    for args, message in [(["--cases", str(bad)], "missing context, question, answers"),
+                          (["--cases", str(bad), "--methods", "full,nope"], "unknown method(s) nope"),
+                          ([], "give --cases")]:
+        proc = run_cli("eval", *args)
+        assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

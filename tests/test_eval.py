@@ -1,0 +1,113 @@
+"""Evaluation harness: case parsing, scoring, one prefill per case, generators' needle placement."""
+import json
+
+import pytest
+import torch
+
+from pqcache import PQCacheConfig, datasets, evaluate
+
+from .conftest import tiny_model
+
+
+class WordTokenizer:
+    """Whitespace tokenizer over the tiny models' vocabulary (ids 1..95)."""
+
+    eos_token_id = None
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = [1 + (sum(map(ord, w)) % 95) for w in text.split()]
+        out = torch.tensor([ids]) if return_tensors == "pt" else ids
+        return type("Enc", (), {"input_ids": out})()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"t{i}" for i in ids)
+
+
+def _write(tmp_path, lines):
+    path = tmp_path / "cases.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+def test_load_cases_defaults_and_errors(tmp_path):
+    ok = _write(tmp_path, [json.dumps({"id": "a", "context": "c", "question": "q", "answers": ["x"], "task": "t"})])
+    (case,) = evaluate.load_cases(ok)
+    assert case["query_aware"] is True and case["task"] == "t"
+    for line, msg in [("{not json", ":1: not JSON"), (json.dumps({"id": "a"}), "missing context, question, answers"),
+                      (json.dumps({"id": "a", "context": "c", "question": "q", "answers": "x"}),
+                       "answers must be a list of strings"), ("[1]", "a case is a JSON object")]:
+        with pytest.raises(evaluate.CaseError, match=msg):
+            evaluate.load_cases(_write(tmp_path, [line]))
+
+
+def test_score_is_the_fraction_of_answers_found():
+    assert evaluate.score("It is Dolores PARK, with a sandwich", ["sandwich", "Dolores Park"]) == 1.0
+    assert evaluate.score("a sandwich", ["sandwich", "Dolores Park"]) == 0.5
+    assert evaluate.score("nothing", ["x"]) == 0.0 and evaluate.score("x", []) == 0.0
+
+
+@pytest.mark.parametrize("query_aware", [True, False])
+def test_one_prefill_per_case_shared_by_all_methods(query_aware):
+    model = tiny_model("llama")
+    lengths = []
+    model.model.register_forward_pre_hook(lambda m, args, kw: lengths.append(kw["input_ids"].shape[1]),
+                                          with_kwargs=True)
+    context = " ".join(f"w{i}" for i in range(200))
+    case = {"id": "c1", "context": context, "question": "what is w7 ?", "answers": ["t1"], "query_aware": query_aware,
+            "task": "demo"}
+    methods = ["full", "pqcache", "snapkv", "h2o"]
+    rows = evaluate.run_case(model, WordTokenizer(), case, methods,
+                             PQCacheConfig(token_budget=0.2, n_init=4, bits=4, kmeans_iters=5), max_new_tokens=3)
+    long_forwards = [n for n in lengths if n >= 200]
+    assert long_forwards == [204 if query_aware else 200]  # the one prefill (context + 4 question tokens)
+    question_chunks = [n for n in lengths if 1 < n < 200]
+    assert question_chunks == ([] if query_aware else [4] * len(methods))
+    assert [r["method"] for r in rows] == methods and all(r["task"] == "demo" for r in rows)
+    assert all(set(r) >= {"id", "method", "prediction", "score", "context_tokens", "prefill_s", "decode_s"}
+               for r in rows)
+
+
+def test_summary_per_method_and_group():
+    rows = [{"method": "a", "score": 1.0, "task": "x"}, {"method": "a", "score": 0.0, "task": "y"},
+            {"method": "b", "score": 0.5, "task": "x"}]
+    assert evaluate.summarize(rows) == [{"method": "a", "cases": 2, "score": 50.0},
+                                        {"method": "b", "cases": 1, "score": 50.0}]
+    grouped = evaluate.summarize(rows, ["task"])
+    assert {"task": "y", "method": "a", "cases": 1, "score": 0.0} in grouped and len(grouped) == 3
+
+
+@pytest.fixture(scope="module")
+def tok(real_model):
+    return real_model[1]
+
+
+def test_niah_needle_at_a_sentence_boundary_at_depth(tok):
+    cases = datasets.niah(tok, lengths=(1024,), depths=(0.0, 0.5, 1.0), query_aware="both")
+    assert len(cases) == 6 and {c["query_aware"] for c in cases} == {True, False}
+    sents = datasets.haystack(tok, 1024 - 40)
+    for case in cases[::2]:
+        ctx = case["context"]
+        assert ctx.count(datasets.NEEDLE) == 1
+        i = round(case["depth"] * len(sents))
+        assert ctx == " ".join(sents[:i] + [datasets.NEEDLE] + sents[i:])  # between whole sentences
+        assert len(tok(ctx).input_ids) <= 1024
+
+
+def test_ruler_cases_hold_their_answers(tok):
+    cases = datasets.ruler(tok, length=1024, n=1, query_aware="true")
+    assert [c["task"] for c in cases] == list(datasets.RULER_TASKS)
+    for c in cases:
+        assert all(a in c["context"] for a in c["answers"]), c["id"]
+        assert len(tok(c["context"]).input_ids) <= 1100
+    mv = next(c for c in cases if c["task"] == "niah_multivalue")
+    assert len(mv["answers"]) == 3
+    with pytest.raises(ValueError, match="unknown RULER task"):
+        datasets.ruler(tok, tasks=("nope",))
+
+
+def test_recall_study_on_real_keys(real_model):
+    model, tok = real_model
+    text = tok.decode(tok(datasets.essays_text()).input_ids[1:700])
+    rows = evaluate.recall_study(model, tok, text, ms=(2,), bits_list=(4, 8), budgets=(0.1,), n_queries=4, iters=5)
+    assert [(r["layer"], r["bits"]) for r in rows] == [(5, 4), (5, 8), (11, 4), (11, 8), (17, 4), (17, 8)]
+    assert all(0 <= r["topk_recall"] <= 1 and 0 < r["mass_recall"] <= 1 for r in rows)
