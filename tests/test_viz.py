@@ -86,3 +86,11 @@ def test_cost_model_curve_and_estimate():
     assert 3 <= e["t_max"] <= 300
     fig = figures.cost_curves(rows)
     assert fig.layout.xaxis.type == "log" and "model" in fig.layout.title.text
+
+
+def test_recall_grid_lines_per_budget():
+    rows = [{"layer": layer, "m": m, "bits": b, "budget": bud, "topk_recall": 0.1 * m * b / 32}
+            for layer in (5, 11) for m in (1, 2) for b in (4, 8) for bud in (0.2, 0.1)]
+    fig = figures.recall_grid(rows)
+    assert [tr.name for tr in fig.data] == ["budget 0.2", "budget 0.1"]
+    assert list(fig.data[0].x) == [4, 8, 8, 16] and fig.data[0].y[-1] == pytest.approx(0.1 * 16 / 32)

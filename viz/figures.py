@@ -147,3 +147,23 @@ def cost_curves(rows: list[dict]) -> go.Figure:
     fig.update_xaxes(type="log", title="context length (tokens)")
     fig.update_yaxes(type="log", title="GiB")
     return _layout(fig, "KV memory vs context length (cost model, not a measurement)")
+
+
+def recall_grid(rows: list[dict]) -> go.Figure:
+    """PQ top-k recall (mean over layers) against m*bits, one line per budget (`eval recall` rows)."""
+    if not rows:
+        return _empty("PQ top-k recall vs m x bits", "no rows")
+    fig = go.Figure()
+    for budget in sorted({r["budget"] for r in rows}, reverse=True):
+        cells = {}
+        for r in rows:
+            if r["budget"] == budget:
+                cells.setdefault((r["m"], r["bits"]), []).append(r["topk_recall"])
+        keys = sorted(cells, key=lambda mb: (mb[0] * mb[1], mb[0]))
+        fig.add_trace(go.Scatter(x=[m * b for m, b in keys], y=[sum(cells[k]) / len(cells[k]) for k in keys],
+                                 mode="markers", marker=dict(size=10), name=f"budget {budget}",
+                                 text=[f"m={m}, bits={b}" for m, b in keys],
+                                 hovertemplate="%{text}: %{y:.3f}<extra></extra>"))
+    fig.update_xaxes(title="m x bits (bits of code per token and KV head)")
+    fig.update_yaxes(title="top-k recall (mean over layers)", range=[0, 1.05])
+    return _layout(fig, "PQ top-k recall on the bundled model's keys")
