@@ -48,6 +48,10 @@ class DocumentSession:
         if not text or not text.strip():
             raise ValueError("the document is empty")
         ids = self.tokenizer(text, return_tensors="pt").input_ids.to(self.device)
+        limit = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        if limit and ids.shape[1] + 512 > limit:  # room left for the question and the answer
+            raise ValueError(f"the document has {ids.shape[1]} tokens; this model reads at most {limit} "
+                             f"(including the question and answer): shorten the document")
         cache = PQCache(self.model, self.config, method=self.method, keep_queries=True)
         obs = cache.instrument(timeline=True)
         n_layers = len(cache.layers)
