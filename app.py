@@ -149,7 +149,6 @@ def ask(question, chat, method, max_new_tokens, layer, state):
         now = time.perf_counter()
         if done or now - last >= REFRESH_S:
             last = now
-            n = len(result.get("answer").tokens) if "answer" in result else len(chat[-1]["content"].split())
             yield chat, f"{method}: generating... {now - t0:.1f} s", *panels(session, obs, layer)
     if "error" in result:
         chat[-1]["content"] = f"Error: {result['error']}"

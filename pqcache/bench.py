@@ -165,7 +165,7 @@ def bench_memory(seq_lens=(16384,), budgets=(0.2, 0.1), models=("gemma3-270m", "
     their update() with tensors of the model's shapes (no weights needed)."""
     from transformers import DynamicCache
 
-    from .cache import PQCache
+    from .cache import PQCache, kv_bytes
 
     rows = []
     for name in models:
@@ -177,7 +177,7 @@ def bench_memory(seq_lens=(16384,), budgets=(0.2, 0.1), models=("gemma3-270m", "
             full = DynamicCache(config=mconf)
             for i in range(len(full.layers)):
                 full.update(k, k, i)
-            full_bytes = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in full.layers)
+            full_bytes = sum(kv_bytes(layer) for layer in full.layers)
             del full
             for budget in budgets:
                 cache = PQCache(mconf, PQCacheConfig(token_budget=budget, kmeans_iters=1))

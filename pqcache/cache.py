@@ -55,6 +55,12 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
     return layer.attend(query, new_valid, scaling, softcap=kwargs.get("softcap")), None
 
 
+def kv_bytes(layer) -> int:
+    """Bytes of K and V held by a plain transformers cache layer (DynamicLayer, sliding window)."""
+    keys = getattr(layer, "keys", None)
+    return 0 if keys is None else 2 * keys.numel() * keys.element_size()
+
+
 def register_attention():
     if ATTN_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_NAME, pqcache_attention)
@@ -156,8 +162,8 @@ class PQCache(Cache):
             if isinstance(layer, PQLayer):
                 for k, v in layer.memory().items():
                     total[k] += v
-            elif getattr(layer, "keys", None) is not None and layer.keys.numel():
-                total["device_kv_bytes"] += layer.keys.numel() * layer.keys.element_size() * 2
+            else:
+                total["device_kv_bytes"] += kv_bytes(layer)
         total["layers"] = [
             {"layer": layer.layer_idx, **{k: v for k, v in layer.stats.items()}} for layer in self.pq_layers
         ]

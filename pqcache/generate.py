@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .cache import PQCache
+from .cache import PQCache, kv_bytes
 from .config import PQCacheConfig
 from .methods import METHODS
 
@@ -40,9 +40,7 @@ def decode_one_token(model, token: torch.Tensor, cache) -> torch.Tensor:
 def cache_bytes(cache) -> dict:
     if isinstance(cache, PQCache):
         return cache.stats()
-    device = sum(layer.keys.numel() * layer.keys.element_size() * 2 for layer in cache.layers
-                 if getattr(layer, "keys", None) is not None)
-    return {"device_kv_bytes": device, "host_kv_bytes": 0, "pq_bytes": 0, "kmeans_iters": None}
+    return {"device_kv_bytes": sum(kv_bytes(layer) for layer in cache.layers), "host_kv_bytes": 0, "pq_bytes": 0, "kmeans_iters": None}
 
 
 @dataclass

@@ -24,6 +24,7 @@ per-row K-Means. Positions are the padded positions shared by the batch.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from concurrent.futures import Executor, Future
 
 import torch
@@ -161,8 +162,6 @@ class PQLayer(CacheLayerMixin):
             self.host_ready.synchronize()
 
     def _span(self, lane):
-        from contextlib import nullcontext
-
         return nullcontext() if self.obs is None else self.obs.span(lane, self.layer_idx)
 
     # ---- prefill -----------------------------------------------------------------------------------
