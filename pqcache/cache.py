@@ -150,10 +150,10 @@ class PQCache(Cache):
         _active.layer = layer if isinstance(layer, PQLayer) else None
         return layer.update(key_states, value_states, *args, **kwargs)
 
-    def wait(self):
-        """Block until every layer's PQ is built."""
+    def wait(self, stop=None):
+        """Block until every layer's PQ is built or has failed (a set `stop` event raises Cancelled)."""
         for layer in self.pq_layers:
-            layer.wait_pq()
+            layer.wait_pq(stop)
 
     def stats(self) -> dict:
         """Bytes per tier (sliding-window layers count as device KV) and per-layer PQ build figures."""
@@ -169,6 +169,7 @@ class PQCache(Cache):
         ]
         iters = [layer.stats["kmeans_iters"] for layer in self.pq_layers if layer.stats["kmeans_iters"] is not None]
         total["kmeans_iters"] = max(iters) if iters else None
+        total["notices"] = [layer.fallback for layer in self.pq_layers if layer.fallback]
         return total
 
     def fork(self, method: str | Method) -> "PQCache":
@@ -187,5 +188,9 @@ class PQCache(Cache):
         return new
 
     def close(self):
+        """Detach the observer and stop background work: queued builds are cancelled, a running one
+        stops at its next head; returns without waiting for it (a hung worker cannot block close)."""
         self.instrument(None)
-        self.executor.shutdown(wait=True)
+        for layer in self.pq_layers:
+            layer.closed = True
+        self.executor.shutdown(wait=False, cancel_futures=True)

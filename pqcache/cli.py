@@ -1,4 +1,4 @@
-"""python -m pqcache {generate,bench} ..."""
+"""python -m pqcache {generate,bench,eval,datasets,calibrate,loadtest} ..."""
 from __future__ import annotations
 
 import argparse
@@ -6,7 +6,8 @@ import json
 import sys
 from pathlib import Path
 
-from .config import PQCacheConfig, PQCacheConfigError
+from .config import PQCacheConfig
+from .errors import PQCacheError
 from .loading import ModelNotFoundError
 from .methods import METHODS
 
@@ -32,6 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default="pqcache", choices=list(METHODS),
                    help="full (transformers' DynamicCache), or a selection method under the same budget")
     g.add_argument("--context-file", type=Path, help="text file put before the question")
+    g.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")
     g.add_argument("--question", required=True)
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--device", default="auto")
@@ -84,6 +86,17 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--query-aware", choices=["both", "true", "false"], default="both")
     d.add_argument("--seed", type=int, default=0)
 
+    lt = sub.add_parser("loadtest", help="N concurrent gradio_client users against a local app, bounded in time")
+    lt.add_argument("--clients", type=int, default=4)
+    lt.add_argument("--duration", type=float, default=60, help="seconds during which users start requests")
+    lt.add_argument("--url", default=None, help="an app already running (default: start app.py and watch it)")
+    lt.add_argument("--app-args", default="--max-cache-gib 0.1 --idle-minutes 5",
+                    help="flags for the app.py it starts")
+    lt.add_argument("--request-timeout", type=float, default=300)
+    lt.add_argument("--rounds", type=int, default=2, help="repeat the users; a leak grows round after round")
+    lt.add_argument("--seed", type=int, default=0)
+    lt.add_argument("--out", default=None, help="write the figures as JSON here")
+
     c = sub.add_parser("calibrate", help="fit the adaptive K-Means iteration rule on this machine")
     c.add_argument("--model", default="default")
     c.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=[512, 1024, 2048, 4096])
@@ -96,12 +109,11 @@ def cmd_generate(args) -> int:
     from .generate import build_prompt, generate
     from .loading import load_model
 
+    from .documents import read_document
+
     context = ""
-    if args.context_file is not None:
-        try:
-            context = args.context_file.read_text(encoding="utf-8", errors="replace")
-        except OSError as exc:
-            raise SystemExit(f"error: cannot read --context-file {args.context_file}: {exc.strerror}")
+    if args.context_file is not None:  # .txt, .md or .pdf; bad files raise DocumentError (printed, exit 2)
+        context = read_document(str(args.context_file), encoding=args.encoding)
     config = PQCacheConfig(m=args.m, bits=args.bits, token_budget=args.token_budget, n_init=args.n_init,
                            n_local=args.n_local, kmeans_iters=args.kmeans_iters,
                            block_cache_tokens=args.block_cache_tokens, cache_policy=args.cache_policy)
@@ -271,7 +283,11 @@ def main(argv=None) -> int:
             return cmd_eval(args)
         if args.command == "datasets":
             return cmd_datasets(args)
+        if args.command == "loadtest":
+            from . import loadtest
+
+            return loadtest.main(args)
         return cmd_bench(args)
-    except (PQCacheConfigError, ModelNotFoundError, ValueError, FileNotFoundError) as exc:
+    except (PQCacheError, ModelNotFoundError, ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -4,9 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-
-class PQCacheConfigError(ValueError):
-    """A PQCacheConfig setting is out of range or inconsistent with the model."""
+from .errors import PQCacheConfigError
 
 
 @dataclass
@@ -43,9 +41,20 @@ class PQCacheConfig:
     # user turn) gets K-Means of its own, its codes appended under its own centroids.
     rebuild_every: int | None = None
     turn_min_tokens: int = 256
+    # A K-Means build that raises, or is not done `pq_timeout_s` seconds after it was submitted (None:
+    # wait forever), is a fault: "exact" makes the layer attend to every token from then on and
+    # reports it in stats()["notices"]; "raise" raises PQBuildError.
+    pq_timeout_s: float | None = 300.0
+    on_pq_failure: str = "exact"
 
     def __post_init__(self):
         errors = []
+        for name in ("m", "bits", "n_init", "n_local", "block_size", "block_cache_tokens", "block_admit",
+                     "rebuild_every", "turn_min_tokens", "seed"):
+            if isinstance(getattr(self, name), bool):  # True is an int to Python, not to a user
+                errors.append(f"{name} must be a number, got {getattr(self, name)!r}")
+        if errors:
+            raise PQCacheConfigError("invalid PQCacheConfig: " + "; ".join(errors))
         if not isinstance(self.m, int) or self.m < 1:
             errors.append(f"m (number of sub-spaces) must be a positive int, got {self.m!r}")
         if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
@@ -59,7 +68,10 @@ class PQCacheConfig:
             errors.append(f"n_init must be an int >= 0, got {self.n_init!r}")
         if self.n_local is not None and (not isinstance(self.n_local, int) or self.n_local < 1):
             errors.append(f"n_local must be None or an int >= 1 (the current token is always local), got {self.n_local!r}")
-        if not 0 < self.local_ratio < 1:
+        if not isinstance(self.seed, int):
+            errors.append(f"seed must be an int, got {self.seed!r}")
+        if isinstance(self.local_ratio, bool) or not isinstance(self.local_ratio, (int, float)) \
+                or not 0 < self.local_ratio < 1:
             errors.append(f"local_ratio must be in (0, 1), got {self.local_ratio!r}")
         k = self.kmeans_iters
         if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
@@ -87,6 +99,11 @@ class PQCacheConfig:
                 errors.append(
                     f"token_budget={int(b)} tokens cannot hold n_init={self.n_init} sinks plus n_local={self.n_local} recent tokens"
                 )
+        t = self.pq_timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+            errors.append(f"pq_timeout_s must be None or a number of seconds > 0, got {t!r}")
+        if self.on_pq_failure not in ("exact", "raise"):
+            errors.append(f"on_pq_failure must be 'exact' or 'raise', got {self.on_pq_failure!r}")
         if errors:
             raise PQCacheConfigError("invalid PQCacheConfig: " + "; ".join(errors))
 

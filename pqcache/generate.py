@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from .cache import PQCache, kv_bytes
 from .config import PQCacheConfig
+from .errors import InputError
 from .methods import METHODS
 
 
@@ -17,7 +18,7 @@ def make_cache(model, method: str, config: PQCacheConfig | None = None):
     if method == "full":
         return DynamicCache(config=model.config)
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        raise InputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return PQCache(model, config or PQCacheConfig(), method=method)
 
 
@@ -54,7 +55,7 @@ def generate(model, tokenizer, prompt: str, method: str = "pqcache", config: PQC
              max_new_tokens: int = 32, on_token=None) -> Generation:
     """Greedy decode of `prompt`; on_token(text_so_far) is called after each token."""
     if max_new_tokens < 1:
-        raise ValueError("max_new_tokens must be >= 1")
+        raise InputError("max_new_tokens must be >= 1")
     device = next(model.parameters()).device
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     cache = make_cache(model, method, config)

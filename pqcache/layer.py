@@ -24,8 +24,9 @@ per-row K-Means. Positions are the padded positions shared by the batch.
 from __future__ import annotations
 
 import time
+from concurrent.futures import CancelledError, Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from contextlib import nullcontext
-from concurrent.futures import Executor, Future
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -33,7 +34,9 @@ from transformers.cache_utils import CacheLayerMixin
 from . import pq
 from .blockcache import BlockCache
 from .config import PQCacheConfig
+from .errors import Cancelled, InputError, PQBuildError
 from .methods.base import Method, combine_rows, topk_positions
+from .methods.full import Full
 
 
 class PQLayer(CacheLayerMixin):
@@ -57,7 +60,9 @@ class PQLayer(CacheLayerMixin):
         self.S = 0  # positions stored (padded coordinates)
         self.prefilled = False
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.jobs: list[Future] = []  # PQ builds in flight
+        self.jobs: list[Future] = []  # PQ builds in flight (each with a .submitted time)
+        self.fallback: str | None = None  # why this layer attends to every token (a failed PQ build)
+        self.closed = False  # set by PQCache.close(): a running build stops at the next head
         self.segments: list[tuple[int, torch.Tensor]] = []  # (start position, centroids)
         self.obs = None  # Instrumentation, when attached
         self.method_state: dict = {}
@@ -65,7 +70,7 @@ class PQLayer(CacheLayerMixin):
         self.S_prefill = 0
         self.generated = 0
         self.stats = {"kmeans_iters": None, "pq_build_s": None, "pq_wait_s": 0.0, "pq_ready_before_use": None,
-                      "steps": 0, "hits": 0, "misses": 0, "rebuilds": 0, "turn_segments": 0}
+                      "steps": 0, "hits": 0, "misses": 0, "rebuilds": 0, "turn_segments": 0, "fallback": None}
 
     # ---- transformers Cache layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -87,7 +92,7 @@ class PQLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[0] != self.B:
-            raise ValueError(f"PQCache was filled with batch size {self.B}, got {key_states.shape[0]}")
+            raise InputError(f"PQCache was filled with batch size {self.B}, got {key_states.shape[0]}")
         if not self.prefilled:
             # Prefill: exact attention over what is returned; the tiers are split in finish_prefill.
             self._write_host(key_states, value_states)
@@ -188,6 +193,7 @@ class PQLayer(CacheLayerMixin):
         valid = self.valid[:, :S]
         self.n_real = [int(n) for n in valid.sum(1).tolist()]
         splits = [self.method.split(cfg, n, self) for n in self.n_real]
+        splits = [(min(s[0], n), s[1], s[2]) for s, n in zip(splits, self.n_real)]  # no more sinks than tokens
         self.n_init = max(s[0] for s in splits)
         self.n_local = [s[2] for s in splits]
         self.L = max(self.n_local)
@@ -260,7 +266,13 @@ class PQLayer(CacheLayerMixin):
 
     # ---- PQ builds (background) ----------------------------------------------------------------------
     def _submit(self, start: int, end: int, iters: int, kind: str):
-        self.jobs.append(self.executor.submit(self._build, start, end, iters, kind))
+        try:
+            fut = self.executor.submit(self._build, start, end, iters, kind)
+        except RuntimeError as exc:  # the executor was shut down after a fault in another layer
+            self._fault(exc)
+            return
+        fut.submitted = time.perf_counter()
+        self.jobs.append(fut)
 
     def _build(self, start: int, end: int, iters: int, kind: str):
         """K-Means over the searchable tokens of [start, end) of each row; codes for [start, end)."""
@@ -274,6 +286,8 @@ class PQLayer(CacheLayerMixin):
             for b in range(self.B):
                 rows = searchable[b].nonzero().squeeze(1) + start
                 for h in range(self.H):
+                    if self.closed:  # the cache was closed (stop, session freed): drop the work
+                        raise Cancelled("the cache was closed")
                     keys = self.k_host[b, h, rows]
                     cents[b, h] = pq.train_centroids(keys, m, C, iters, cfg.metric, cfg.seed + 97 * h)
             cents = cents.to(self.device)
@@ -312,24 +326,70 @@ class PQLayer(CacheLayerMixin):
         if result["kind"] == "prefill":
             self.stats["pq_build_s"] = result["seconds"]
 
-    def _wait_jobs(self, block: bool = True):
+    def _wait_jobs(self, block: bool = True, stop=None):
+        """Install finished builds (block: wait for all). A build that raised or ran past
+        config.pq_timeout_s is a fault (see _fault); a set `stop` event raises Cancelled."""
         remaining = []
-        for fut in self.jobs:
+        for i, fut in enumerate(self.jobs):
             if not block and not fut.done():
                 remaining.append(fut)
                 continue
             ready = fut.done()
             t0 = time.perf_counter()
-            result = fut.result()
-            self.stats["pq_wait_s"] += time.perf_counter() - t0
+            try:
+                result = self._result(fut, stop)
+            except Cancelled:
+                self.jobs = self.jobs[i:]
+                raise
+            except Exception as exc:  # the worker raised, hung, or was shut down
+                self.jobs = []
+                self._fault(exc)
+                return
+            finally:
+                self.stats["pq_wait_s"] += time.perf_counter() - t0
             if result["kind"] == "prefill":
                 self.stats["pq_ready_before_use"] = ready
             self._install(result)
         self.jobs = remaining
 
-    def wait_pq(self):
-        """Block until every PQ build of this layer is in place."""
-        self._wait_jobs(block=True)
+    def _result(self, fut: Future, stop=None) -> dict:
+        timeout = self.config.pq_timeout_s
+        deadline = None if timeout is None else fut.submitted + timeout
+        while True:
+            left = None if deadline is None else deadline - time.perf_counter()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"not finished {timeout:g} s after it was submitted")
+            wait = left if stop is None else min(0.1, left if left is not None else 0.1)
+            try:
+                return fut.result(timeout=wait)
+            except FutureTimeout:
+                if stop is not None and stop.is_set():
+                    raise Cancelled("stopped while clustering") from None
+
+    def _fault(self, exc: BaseException):
+        """A PQ build failed: stop the cache's other builds, then raise or attend exactly from now on."""
+        if isinstance(exc, CancelledError):
+            why = "its build was cancelled after a fault in another layer"
+        elif isinstance(exc, RuntimeError) and "shutdown" in str(exc):
+            why = "the clustering worker was shut down after a fault in another layer"
+        else:
+            why = f"{type(exc).__name__}: {exc}"
+        reason = f"PQ clustering of layer {self.layer_idx} failed ({why})"
+        self.executor.shutdown(wait=False, cancel_futures=True)
+        if self.config.on_pq_failure == "raise":
+            raise PQBuildError(reason) from exc
+        self.fall_back(reason)
+
+    def fall_back(self, reason: str):
+        """Attend to every token of this layer from now on (exact attention through the tiers)."""
+        self.fallback = self.stats["fallback"] = reason + "; this layer now uses exact attention"
+        self.method, self.method_state, self.segments = Full(), {}, []
+        if self.prefilled:
+            self.split_tiers()
+
+    def wait_pq(self, stop=None):
+        """Block until every PQ build of this layer is in place (or has failed, see _fault)."""
+        self._wait_jobs(block=True, stop=stop)
 
     # ---- decode / chunk ----------------------------------------------------------------------------
     def topk_counts(self) -> list[int]:
@@ -511,12 +571,14 @@ class PQLayer(CacheLayerMixin):
                             else v) for k, v in self.__dict__.items()}
         new.method, new.executor, new.obs, new.jobs = method, executor, None, []
         new.method_state = {}
+        if self.fallback and method.needs_pq:  # no codebooks to search: stay exact, keep the notice
+            new.method = method = Full()
         if self.prefilled:
             new.split_tiers()
             if method.needs_pq:
                 new.start_pq()
             if method.needs_prefill_queries and self.prefill_q is None:
-                raise ValueError(f"method {method.name!r} needs the prefill queries: create the cache with "
+                raise InputError(f"method {method.name!r} needs the prefill queries: create the cache with "
                                  "keep_queries=True before the prefill to fork into it")
             method.on_prefill(new, self.prefill_q, self.scaling)
         return new

@@ -3,19 +3,28 @@
 Each question continues a fork of the prefilled document cache (so questions do not see each
 other), runs as one chunk (see layer.py: a chunk picks one top-k set), and decodes greedily. The
 app drives this from a worker thread and reads the observer's data while tokens stream.
+
+The model may be shared by several sessions on several threads: per-layer hooks (progress, stop)
+act only on the thread that installed them. A set `stop` event ends a prefill (at the next layer),
+the clustering wait, or a generation (at the next token); a stopped prefill frees its cache.
 """
 from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .cache import PQCache
 from .config import PQCacheConfig
+from .errors import Cancelled, DocumentTooLongError, InputError, NoDocumentError
+from .documents import check_text
 from .instrument import Instrumentation
 
+ANSWER_ROOM = 512  # tokens kept free for the question and the answer
 
 
 @dataclass
@@ -27,66 +36,148 @@ class Answer:
     stopped: bool = False
 
 
+@contextmanager
+def layer_hooks(model, on_layer=None, stop: threading.Event | None = None):
+    """Per decoder layer of `model`, on this thread only: raise Cancelled before it runs if `stop` is set,
+    call on_layer(idx) after it ran."""
+    me, hooks = threading.get_ident(), []
+
+    def pre(module, args):
+        if stop is not None and stop.is_set() and threading.get_ident() == me:
+            raise Cancelled("stopped")
+
+    for module in model.modules():
+        idx = getattr(getattr(module, "self_attn", None), "layer_idx", None)
+        if idx is None:
+            continue
+        if stop is not None:
+            hooks.append(module.register_forward_pre_hook(pre))
+        if on_layer is not None:
+            hooks.append(module.register_forward_hook(
+                lambda m, a, o, idx=idx: on_layer(idx) if threading.get_ident() == me else None))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def truncate_middle(ids: torch.Tensor, max_tokens: int) -> torch.Tensor:
+    """ids (1, S) -> (1, max_tokens): the first and last halves kept, the middle cut (as LongBench)."""
+    head = max_tokens // 2
+    return torch.cat([ids[:, :head], ids[:, ids.shape[1] - (max_tokens - head):]], dim=1)
+
+
 class DocumentSession:
-    def __init__(self, model, tokenizer, config: PQCacheConfig | None = None, method: str = "pqcache"):
+    def __init__(self, model, tokenizer, config: PQCacheConfig | None = None, method: str = "pqcache",
+                 max_tokens: int | None = None):
+        """max_tokens: the longest document accepted (default: what the model reads, less ANSWER_ROOM)."""
         self.model, self.tokenizer = model, tokenizer
+        self.max_tokens = max_tokens
         self.config = config or PQCacheConfig()
         self.method = method
         self.cache: PQCache | None = None
         self.n_tokens = 0
         self.prefill_s = 0.0
         self.prefill_obs: Instrumentation | None = None
+        self.truncated: tuple[int, int] | None = None  # (tokens kept, document tokens) after a middle cut
+        self.last_stats: dict | None = None
         self.lock = threading.Lock()  # one forward at a time through the model
 
     @property
     def device(self):
         return next(self.model.parameters()).device
 
-    @torch.no_grad()
-    def load(self, text: str, progress=None) -> dict:
-        """Prefill `text` (progress(fraction, message) per layer and per clustered layer)."""
-        if not text or not text.strip():
-            raise ValueError("the document is empty")
-        ids = self.tokenizer(text, return_tensors="pt").input_ids.to(self.device)
+    @property
+    def max_document_tokens(self) -> int | None:
         limit = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        if limit and ids.shape[1] + 512 > limit:  # room left for the question and the answer
-            raise ValueError(f"the document has {ids.shape[1]} tokens; this model reads at most {limit} "
-                             f"(including the question and answer): shorten the document")
-        cache = PQCache(self.model, self.config, method=self.method, keep_queries=True)
+        limit = None if not limit else max(1, limit - ANSWER_ROOM)
+        return min(filter(None, [limit, self.max_tokens]), default=None)
+
+    def estimate_bytes(self, n_tokens: int) -> int:
+        """K/V bytes a prefill of n_tokens will hold: full-attention layers keep every token on the host
+        tier plus a device buffer of the budget and a block cache (at most a quarter of the tokens);
+        sliding-window layers keep their window."""
+        text_config = self.model.config.get_text_config(decoder=True)
+        layer_types, kwargs = get_layer_types_and_kwargs(text_config)
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        per_token = 2 * n_kv * head_dim * next(self.model.parameters()).element_size()
+        cfg = self.config
+        full = n_tokens + cfg.budget_tokens(n_tokens) + min(cfg.block_cache_tokens, n_tokens // 4)
+        return per_token * sum(full if kind == "full_attention" else min(n_tokens, kw.get("sliding_window") or n_tokens)
+                               for kind, kw in zip(layer_types, kwargs))
+
+    @torch.no_grad()
+    def load(self, text: str, progress=None, stop: threading.Event | None = None, truncate: str = "refuse",
+             reserve=None) -> dict:
+        """Prefill `text` (progress(fraction, message) per layer and per clustered layer).
+
+        A document longer than the model reads raises DocumentTooLongError, or with truncate="middle"
+        keeps its first and last halves. A set `stop` raises Cancelled and frees the partial cache.
+        reserve(nbytes) is called before the prefill (a SessionPool makes room or raises)."""
+        if truncate not in ("refuse", "middle"):
+            raise InputError(f"truncate must be 'refuse' or 'middle', got {truncate!r}")
+        check_text(text)
+        ids = self.tokenizer(text, return_tensors="pt").input_ids.to(self.device)
+        n_doc, limit = int(ids.shape[1]), self.max_document_tokens
+        if limit and n_doc > limit:
+            if truncate == "refuse":
+                raise DocumentTooLongError(f"the document has {n_doc} tokens; at most {limit} fit (with room for the "
+                                           "question and answer): shorten it, or choose to cut its middle", n_doc, limit)
+            ids = truncate_middle(ids, limit)
+        cache = PQCache(self.model, self.config, method=self.method, keep_queries=True)  # checks config vs model
+        try:
+            if reserve is not None:  # may free the previous document of this session, or refuse
+                reserve(self.estimate_bytes(int(ids.shape[1])))
+        except BaseException:
+            cache.close()
+            raise
+        self.close()  # the new document replaces the old one
         obs = cache.instrument(timeline=True)
         n_layers = len(cache.layers)
-        hooks = []
-        if progress is not None:
-            for module in self.model.modules():
-                idx = getattr(getattr(module, "self_attn", None), "layer_idx", None)
-                if idx is not None:
-                    hooks.append(module.register_forward_hook(
-                        lambda m, a, o, idx=idx: progress(0.9 * (idx + 1) / n_layers,
-                                                          f"prefill: {ids.shape[1]} tokens, layer {idx + 1}/{n_layers}")))
+        on_layer = None if progress is None else (
+            lambda idx: progress(0.9 * (idx + 1) / n_layers, f"prefill: {ids.shape[1]} tokens, layer {idx + 1}/{n_layers}"))
         try:
-            with self.lock:
+            with self.lock, layer_hooks(self.model, on_layer, stop):
                 t0 = time.perf_counter()
                 self.model(ids, cache=cache, logits_to_keep=1)
                 self.prefill_s = time.perf_counter() - t0
-        finally:
-            for h in hooks:
-                h.remove()
-        for i, layer in enumerate(cache.pq_layers):
-            if progress is not None:
-                progress(0.9 + 0.1 * i / max(1, len(cache.pq_layers)), f"clustering layer {layer.layer_idx}")
-            layer.wait_pq()
+            for i, layer in enumerate(cache.pq_layers):
+                if progress is not None:
+                    progress(0.9 + 0.1 * i / max(1, len(cache.pq_layers)), f"clustering layer {layer.layer_idx}")
+                layer.wait_pq(stop)
+        except BaseException:
+            cache.close()
+            raise
         self.cache, self.n_tokens, self.prefill_obs = cache, int(ids.shape[1]), obs
         self.doc_ids = ids[0].tolist()
-        return {"tokens": self.n_tokens, "prefill_s": self.prefill_s, **cache.stats()}
+        self.truncated = (self.n_tokens, n_doc) if self.n_tokens < n_doc else None
+        return {"tokens": self.n_tokens, "document_tokens": n_doc, "prefill_s": self.prefill_s, **cache.stats()}
+
+    def nbytes(self) -> int:
+        """Host + device bytes held by the loaded document's cache (0 when none)."""
+        if self.cache is None:
+            return 0
+        stats = self.cache.stats()
+        return stats["device_kv_bytes"] + stats["host_kv_bytes"] + stats["pq_bytes"]
+
+    def close(self):
+        """Free the document cache (the session can load another document)."""
+        if self.cache is not None:
+            self.cache.close()
+        self.cache, self.prefill_obs, self.n_tokens = None, None, 0
 
     @torch.no_grad()
     def ask(self, question: str, method: str | None = None, max_new_tokens: int = 64,
             stop: threading.Event | None = None, observer: Instrumentation | None = None, on_token=None) -> Answer:
         """Answer `question` about the loaded document; on_token(answer) after each token."""
         if self.cache is None:
-            raise ValueError("load a document first")
+            raise NoDocumentError("load a document first")
         if not question or not question.strip():
-            raise ValueError("the question is empty")
+            raise InputError("the question is empty")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         cache = self.cache.fork(method or self.method)
         if observer is not None:
             cache.instrument(observer)
@@ -96,8 +187,12 @@ class DocumentSession:
         answer = Answer()
         t0 = time.perf_counter()
         try:
-            with self.lock:
-                logits = self.model(q_ids.to(self.device), cache=cache, logits_to_keep=1).logits[:, -1]
+            try:
+                with self.lock, layer_hooks(self.model, None, stop):
+                    logits = self.model(q_ids.to(self.device), cache=cache, logits_to_keep=1).logits[:, -1]
+            except Cancelled:  # stopped while reading the question
+                answer.stopped = True
+                max_new_tokens = 0
             for _ in range(max_new_tokens):
                 if stop is not None and stop.is_set():
                     answer.stopped = True

@@ -30,6 +30,20 @@ def tiny_model(arch: str, seed: int = 0):
     return model.eval()
 
 
+class WordTokenizer:
+    """Whitespace tokenizer over the tiny models' vocabulary (ids 1..95)."""
+
+    eos_token_id = None
+
+    def __call__(self, text, return_tensors=None, add_special_tokens=True):
+        ids = [1 + (sum(map(ord, w)) % 95) for w in text.split()]
+        out = torch.tensor([ids]) if return_tensors == "pt" else ids
+        return type("Enc", (), {"input_ids": out})()
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(f"t{i}" for i in ids)
+
+
 ARCHS = ["llama", "mistral", "qwen2", "gemma3"]
 
 
@@ -46,36 +60,22 @@ def real_model():
     return load_model("default", device="cpu")
 
 
+def launch_app(*flags):
+    """`python app.py` launched as a user launches it, on a free localhost port; yields its URL."""
+    from pqcache.loadtest import running_app
+
+    with running_app(*flags) as (url, _):
+        yield url
+
+
 @pytest.fixture(scope="session")
 def app_url():
-    """`python app.py` launched as a user launches it, on a free localhost port."""
-    import socket
-    import subprocess
-    import sys
-    import time
-    from pathlib import Path
+    yield from launch_app()
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port)], cwd=root, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    deadline = time.time() + 300
-    while True:  # wait until the server accepts connections
-        if proc.poll() is not None:
-            raise RuntimeError(proc.stdout.read())
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            break
-        except OSError:
-            if time.time() > deadline:
-                proc.kill()
-                raise RuntimeError("app did not start within 300 s")
-            time.sleep(0.5)
-    yield f"http://127.0.0.1:{port}/"
-    proc.terminate()
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+
+@pytest.fixture(scope="session")
+def small_app_url():
+    """An app sized to make limits reachable: one request at a time, 40 MiB of caches (one ~1K-token
+    document of the bundled model is 23 MiB), documents up to 1200 tokens, 8 s K-Means timeout."""
+    yield from launch_app("--concurrency", "1", "--max-cache-gib", "0.04", "--max-document-tokens", "1200",
+                          "--idle-minutes", "10", "--pq-timeout", "8")

@@ -59,7 +59,8 @@ def test_bench_attention_json_shape():
     (["--bits", "9"], "bits must be an int in 1..8"),
     (["--token-budget", "0"], "token_budget must be > 0"),
     (["--model", "/no/such/model"], "does not exist"),
-    (["--context-file", "/no/such/file.txt"], "cannot read --context-file"),
+    (["--context-file", "/no/such/file.txt"], "cannot open file.txt"),
+    (["--context-file", str(ROOT / "pqcache" / "__init__.py")], "unsupported file type"),
 ])
 def test_generate_bad_input_gives_clear_error(args, message):
     proc = run_cli("generate", "--question", "hi", "--max-new-tokens", "1", *args)

@@ -1,12 +1,19 @@
-"""Reading uploaded documents: text, markdown, PDF, and readable errors for anything else."""
+"""Reading documents: text, markdown, PDF, pasted text, and a documented error for every bad input."""
+import codecs
+
 import pytest
 
-import app
+from pqcache.documents import read_document
+from pqcache.errors import DocumentEncodingError, DocumentError, InputError
 
 
-def _pdf(text: str) -> bytes:
-    """A minimal one-page PDF with `text` in Helvetica (objects and xref written by hand)."""
-    stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
+def make_pdf(text: str | None) -> bytes:
+    """A minimal one-page PDF (objects and xref written by hand): `text` in Helvetica, or with
+    text=None only a filled rectangle, like a scanned page without a text layer."""
+    if text is None:
+        stream = b"0 0 1 rg 72 72 200 200 re f"
+    else:
+        stream = f"BT /F1 12 Tf 72 720 Td ({text}) Tj ET".encode()
     objects = [
         b"<< /Type /Catalog /Pages 2 0 R >>",
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
@@ -26,22 +33,61 @@ def _pdf(text: str) -> bytes:
     return bytes(out)
 
 
-def test_reads_pdf_text(tmp_path):
-    path = tmp_path / "doc.pdf"
-    path.write_bytes(_pdf("The pass key is 68422."))
-    assert "The pass key is 68422." in app.read_document(str(path), None)
+# name, bytes, error type, message fragment: every bad file a user can upload
+BAD_FILES = [
+    ("empty.txt", b"", DocumentError, "empty.txt is empty"),
+    ("blank.md", b"  \n\t \n", DocumentError, "blank.md is empty"),
+    ("image.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(200), DocumentError, "looks like a binary file"),
+    ("broken.pdf", b"not a pdf at all", DocumentError, "could not read the PDF broken.pdf"),
+    ("truncated.pdf", make_pdf("The pass key is 1.")[:60], DocumentError, "could not read the PDF"),
+    ("scan.pdf", make_pdf(None), DocumentError, "no text layer"),
+    ("report.docx", b"PK\x03\x04", DocumentError, "unsupported file type"),
+    ("notes", b"plain words", DocumentError, "unsupported file type"),
+    ("latin.txt", "Café crème".encode("cp1252"), DocumentEncodingError, r"not UTF-8 text \(byte 0xe9 at offset 3\)"),
+]
 
 
-def test_reads_text_and_markdown_and_pasted(tmp_path):
+@pytest.mark.parametrize("name,data,error,message", BAD_FILES, ids=[b[0] for b in BAD_FILES])
+def test_bad_files_raise_documented_errors(tmp_path, name, data, error, message):
+    path = tmp_path / name
+    path.write_bytes(data)
+    with pytest.raises(error, match=message) as info:
+        read_document(str(path))
+    assert isinstance(info.value, InputError) and isinstance(info.value, ValueError)
+
+
+def test_size_limit_for_files_and_pasted_text(tmp_path):
+    path = tmp_path / "big.txt"
+    path.write_bytes(b"word " * 3000)
+    with pytest.raises(DocumentError, match=r"big.txt is 0.0 MiB; the limit is 0.0 MiB"):
+        read_document(str(path), max_bytes=10_000)
+    assert read_document(str(path), max_bytes=20_000).startswith("word word")
+    with pytest.raises(DocumentError, match="pasted text is over"):
+        read_document(None, "x" * 10_001, max_bytes=10_000)
+    with pytest.raises(DocumentError, match="cannot open gone.txt"):
+        read_document(str(tmp_path / "gone.txt"))
+
+
+def test_reads_pdf_text_markdown_and_pasted(tmp_path):
+    (tmp_path / "doc.pdf").write_bytes(make_pdf("The pass key is 68422."))
+    assert "The pass key is 68422." in read_document(str(tmp_path / "doc.pdf"))
     (tmp_path / "a.md").write_text("# Title\nbody", encoding="utf-8")
-    assert app.read_document(str(tmp_path / "a.md"), "ignored") == "# Title\nbody"
-    assert app.read_document(None, "pasted") == "pasted"
+    assert read_document(str(tmp_path / "a.md"), "ignored") == "# Title\nbody"
+    assert read_document(None, "pasted") == "pasted"
+    with pytest.raises(DocumentError, match="the document is empty"):
+        read_document(None, " \n ")
 
 
-def test_rejects_other_files_and_broken_pdfs(tmp_path):
-    (tmp_path / "x.docx").write_bytes(b"PK")
-    with pytest.raises(ValueError, match="upload a .txt, .md or .pdf file"):
-        app.read_document(str(tmp_path / "x.docx"), None)
-    (tmp_path / "broken.pdf").write_bytes(b"not a pdf at all")
-    with pytest.raises(ValueError, match="could not read the PDF"):
-        app.read_document(str(tmp_path / "broken.pdf"), None)
+def test_encodings(tmp_path):
+    path = tmp_path / "latin.txt"
+    path.write_bytes("Café crème".encode("cp1252"))
+    assert read_document(str(path), encoding="cp1252") == "Café crème"
+    with pytest.raises(DocumentEncodingError, match="unknown text encoding 'klingon'"):
+        read_document(str(path), encoding="klingon")
+    (tmp_path / "bom16.txt").write_bytes(codecs.BOM_UTF16_LE + "Grüße".encode("utf-16-le"))
+    assert read_document(str(tmp_path / "bom16.txt")) == "Grüße"
+    (tmp_path / "bom8.txt").write_bytes(codecs.BOM_UTF8 + "naïve".encode())
+    assert read_document(str(tmp_path / "bom8.txt")) == "naïve"
+    path.write_bytes("Cafés".encode("cp1252"))  # 5 bytes: not UTF-16
+    with pytest.raises(DocumentEncodingError, match="not valid utf-16"):
+        read_document(str(path), encoding="utf-16")

@@ -6,21 +6,7 @@ import torch
 
 from pqcache import PQCacheConfig, datasets, evaluate
 
-from .conftest import tiny_model
-
-
-class WordTokenizer:
-    """Whitespace tokenizer over the tiny models' vocabulary (ids 1..95)."""
-
-    eos_token_id = None
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        ids = [1 + (sum(map(ord, w)) % 95) for w in text.split()]
-        out = torch.tensor([ids]) if return_tensors == "pt" else ids
-        return type("Enc", (), {"input_ids": out})()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(f"t{i}" for i in ids)
+from .conftest import WordTokenizer, tiny_model
 
 
 def _write(tmp_path, lines):
@@ -111,18 +97,3 @@ def test_recall_study_on_real_keys(real_model):
     rows = evaluate.recall_study(model, tok, text, ms=(2,), bits_list=(4, 8), budgets=(0.1,), n_queries=4, iters=5)
     assert [(r["layer"], r["bits"]) for r in rows] == [(5, 4), (5, 8), (11, 4), (11, 8), (17, 4), (17, 8)]
     assert all(0 <= r["topk_recall"] <= 1 and 0 < r["mass_recall"] <= 1 for r in rows)
-
-
-def test_session_refuses_a_document_longer_than_the_model_context():
-    from pqcache.session import DocumentSession
-
-    model = tiny_model("llama")  # max_position_embeddings 1024
-    session = DocumentSession(model, WordTokenizer(), PQCacheConfig(n_init=4, bits=4, kmeans_iters=3))
-    with pytest.raises(ValueError, match="the document has 600 tokens; this model reads at most 1024"):
-        session.load(" ".join(f"w{i}" for i in range(600)))
-    with pytest.raises(ValueError, match="the document is empty"):
-        session.load("   ")
-    info = session.load(" ".join(f"w{i}" for i in range(300)))
-    assert info["tokens"] == 300
-    answer = session.ask("what is w3 ?", method="pqcache", max_new_tokens=3)
-    assert answer.done and len(answer.tokens) <= 3

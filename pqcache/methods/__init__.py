@@ -14,6 +14,7 @@
 """
 from __future__ import annotations
 
+from ..errors import InputError
 from .base import Method
 from .full import Full
 from .h2o import H2O
@@ -35,7 +36,7 @@ def make_method(method: str | Method, **options) -> Method:
     if isinstance(method, Method):
         return method
     if method not in METHODS:
-        raise ValueError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+        raise InputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return METHODS[method](**options)
 
 

@@ -64,6 +64,7 @@ def topk_positions(scores: torch.Tensor, ks: list[int], k_max: int):
     boundary is ambiguous.
     """
     B, H, S = scores.shape
+    ks = [min(k, k_max) for k in ks]  # a budget larger than the context picks what there is
     kt = torch.tensor(ks, device=scores.device).view(B, 1, 1)
     even = min(ks) == k_max
     vals, top = scores.topk(k_max, dim=-1, sorted=not even)

@@ -10,5 +10,10 @@ from .base import Method, positions_of
 class Full(Method):
     name = "full"
 
+    def split(self, config, n_real: int, layer) -> tuple[int, int, int]:
+        n_init, _, n_local = config.split(n_real)
+        return n_init, n_real, n_local  # room for every middle token, whatever the budget
+
+
     def select(self, layer, q, cand, ks, k_max):
         return positions_of(cand[:, None, :].expand(-1, layer.H, -1))

@@ -54,6 +54,8 @@ class InfLLM(Method):
             new = self._representatives(layer, n_done, n_complete - n_done, q)
             reps = layer.method_state["reps"] = torch.cat([reps, new], 2)
         B, H, S = layer.B, layer.H, layer.S
+        if n_complete == 0:  # no finished block yet: the unfinished one is always read
+            return positions_of(cand[:, None, :].expand(-1, H, -1))
         block_of = torch.arange(S, device=layer.device) // bs  # (S,)
         in_block = cand & (block_of < n_complete)[None, :]
         has_cand = torch.zeros((B, n_complete + 1), dtype=torch.bool, device=layer.device)

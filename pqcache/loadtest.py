@@ -1,0 +1,285 @@
+"""Load test: N concurrent gradio_client users against a local app for a bounded time.
+
+python -m pqcache loadtest --clients 6 --duration 120 [--url URL] [--app-args "--max-cache-gib 0.1"]
+
+Without --url it starts `python app.py` itself (so it can read the server's memory and threads from
+/proc). Each user repeats a random mix: load a document, ask (some answers stopped halfway), send
+bad input, unload. Every request must end with a result or a readable message within
+--request-timeout; anything else (an exception, a traceback, a timeout) is a failure. After the
+users end, it waits for the server's caches to drain and compares resident memory, threads and
+child processes with the baseline taken after one warm-up user.
+"""
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PASSKEY = ROOT / "assets" / "passkey_1k.txt"
+QUESTION = "What is the pass key? The pass key is"
+SETTINGS = ["pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse"]
+# replies that are a readable message, not a failure: the server is full, or evicted this user
+MESSAGES = ("**Error:**", "Load a document first", "Your document was unloaded", "Stopped:", "Error: load a document")
+
+
+@contextmanager
+def running_app(*flags, startup_s: float = 300.0):
+    """`python app.py --port P *flags` on a free localhost port; yields (url, process). Its output goes
+    to a temporary log file (a pipe nobody reads would fill up and block the server)."""
+    import tempfile
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), *flags], cwd=ROOT, stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + startup_s
+    try:
+        while True:  # wait until the server accepts connections
+            if proc.poll() is not None:
+                log.seek(0)
+                raise RuntimeError(f"app.py exited: {log.read()[-4000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.time() > deadline:
+                    raise RuntimeError(f"app.py did not start within {startup_s:.0f} s")
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}/", proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def proc_status(pid: int) -> dict:
+    """Resident memory (MiB), threads and child processes of a process, from /proc."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            fields[key] = value.strip()
+    children = 0
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children += int(f.read().rsplit(")", 1)[1].split()[1]) == pid
+            except (OSError, IndexError, ValueError):
+                pass
+    return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024, "threads": int(fields["Threads"]), "children": children}
+
+
+class User:
+    """One gradio_client session doing a random mix of requests; records each outcome."""
+
+    def __init__(self, url: str, seed: int, request_timeout: float, bad_files: list[Path]):
+        from gradio_client import Client
+
+        self.client = Client(url, verbose=False)
+        self.rng = random.Random(seed)
+        self.timeout = request_timeout
+        self.bad_files = bad_files
+        self.records: list[dict] = []
+
+    def _call(self, kind: str, fn):
+        t0 = time.perf_counter()
+        try:
+            reply = fn()
+            outcome = "message" if reply.startswith(MESSAGES) else "ok"
+        except Exception as exc:  # noqa: BLE001 - every way a request can fail is recorded
+            reply, outcome = f"{type(exc).__name__}: {exc}", "failure"
+        self.records.append({"kind": kind, "outcome": outcome, "seconds": time.perf_counter() - t0,
+                             "reply": reply[:160]})
+
+    def _load(self, path=None, text="", settings=SETTINGS):
+        from gradio_client import handle_file
+
+        job = self.client.submit(handle_file(str(path)) if path else None, text, *settings,
+                                 api_name="/load_document")
+        return job.result(timeout=self.timeout)[0]
+
+    def _ask(self, max_new: int, stop_after: int | None = None):
+        job = self.client.submit(QUESTION, [], "pqcache", max_new, "5", api_name="/ask")
+        deadline = time.time() + self.timeout
+        if stop_after is not None:
+            while len(job.outputs()) < stop_after and not job.done() and time.time() < deadline:
+                time.sleep(0.1)
+            self.client.predict(api_name="/stop")
+        while not job.done():
+            if time.time() > deadline:
+                job.cancel()
+                raise TimeoutError(f"no answer within {self.timeout:.0f} s")
+            time.sleep(0.1)
+        final = job.outputs()[-1] if job.outputs() else job.result()
+        return final[0][-1]["content"][0]["text"]
+
+    def step(self):
+        r = self.rng.random()
+        if r < 0.3:
+            self._call("load", lambda: self._load(PASSKEY))
+        elif r < 0.6:
+            self._call("ask", lambda: self._ask(self.rng.choice([4, 8, 16])))
+        elif r < 0.75:
+            self._call("ask+stop", lambda: self._ask(64, stop_after=2))
+        elif r < 0.9:
+            bad = self.rng.choice(self.bad_files + [None])
+            settings = SETTINGS if bad else ["pqcache", 3, *SETTINGS[2:]]  # m=3 does not divide head_dim
+            self._call("bad input", lambda: self._load(bad, "some text" if bad is None else "", settings))
+        else:
+            self._call("unload", lambda: self.client.predict(api_name="/unload_document")[0])
+
+    def run(self, until: float):
+        while time.time() < until:
+            self.step()
+        self._call("unload", lambda: self.client.predict(api_name="/unload_document")[0])
+
+
+def make_bad_files(folder: Path) -> list[Path]:
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {"empty.txt": b"", "binary.txt": bytes(range(256)) * 8, "broken.pdf": b"%PDF-1.4 broken",
+             "latin1.txt": "caf\xe9 cr\xe8me".encode("latin-1"), "slides.pptx": b"PK\x03\x04"}
+    for name, data in files.items():
+        (folder / name).write_bytes(data)
+    return [folder / name for name in files]
+
+
+def run(clients: int, duration: float, url: str | None = None, app_args: list[str] | None = None,
+        request_timeout: float = 300.0, drain_timeout: float = 120.0, seed: int = 0, rounds: int = 2) -> dict:
+    """Drive `clients` users for `duration` seconds, `rounds` times; returns the figures. Server memory
+    and threads are read after each round: a leak grows round after round, a pool levels off."""
+    import tempfile
+
+    from gradio_client import Client
+
+    with tempfile.TemporaryDirectory() as tmp, (running_app(*(app_args or [])) if url is None
+                                                else _external(url)) as (url, proc):
+        bad_files = make_bad_files(Path(tmp))
+        admin = Client(url, verbose=False)
+        floor = admin.predict(api_name="/server_status")["cache_bytes"]  # other users' caches (--url)
+        warm = User(url, seed - 1, request_timeout, bad_files)  # warm-up: first-use allocations, then baseline
+        warm._call("load", lambda: warm._load(PASSKEY))
+        warm._call("ask", lambda: warm._ask(8))
+        warm._call("unload", lambda: warm.client.predict(api_name="/unload_document")[0])
+        _drain(admin, drain_timeout, floor)
+        before = proc_status(proc.pid) if proc else None
+        peak = dict(before or {})
+        done = threading.Event()
+
+        def monitor():
+            while not done.wait(0.5):
+                if proc:
+                    now = proc_status(proc.pid)
+                    for key in now:
+                        peak[key] = max(peak.get(key, 0), now[key])
+                peak["cache_mib"] = max(peak.get("cache_mib", 0), admin.predict(api_name="/server_status")
+                                        ["cache_bytes"] / 2**20)
+
+        watcher = threading.Thread(target=monitor, daemon=True)
+        watcher.start()
+        users, after, hung, drained, t0 = [], [], 0, True, time.perf_counter()
+        for r in range(rounds):
+            group = [User(url, seed + 100 * r + i, request_timeout, bad_files) for i in range(clients)]
+            users += group
+            until = time.time() + duration
+            threads = [threading.Thread(target=u.run, args=(until,), daemon=True) for u in group]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(duration + 2 * request_timeout)
+            hung += sum(t.is_alive() for t in threads)
+            drained &= _drain(admin, drain_timeout, floor)
+            if proc:
+                after.append(proc_status(proc.pid))
+        wall = time.perf_counter() - t0
+        done.set()
+        watcher.join()
+        summary = admin.predict(api_name="/server_status")
+    records = [r for u in users for r in u.records]
+    by_kind: dict = {}
+    for r in records:
+        k = by_kind.setdefault(r["kind"], {"requests": 0, "ok": 0, "message": 0, "failure": 0, "seconds": []})
+        k["requests"] += 1
+        k[r["outcome"]] += 1
+        k["seconds"].append(r["seconds"])
+    for k in by_kind.values():
+        s = sorted(k.pop("seconds"))
+        k["median_s"], k["max_s"] = round(s[len(s) // 2], 2), round(s[-1], 2)
+    return {"clients": clients, "duration_s": duration, "rounds": rounds, "wall_s": round(wall, 1),
+            "requests": len(records), "failures": sum(r["outcome"] == "failure" for r in records),
+            "hung_clients": hung, "caches_drained": drained, "by_kind": by_kind, "server_before": before,
+            "server_peak": peak, "server_after_rounds": after, "server_summary_after": summary,
+            "messages": _message_counts(records),
+            "failure_replies": [r["reply"] for r in records if r["outcome"] == "failure"][:20]}
+
+
+def _message_counts(records) -> dict:
+    """How often each readable message came back (its first words)."""
+    counts: dict = {}
+    for r in records:
+        if r["outcome"] == "message":
+            key = " ".join(r["reply"].replace("**Error:**", "Error:").split()[:7])
+            counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
+
+
+@contextmanager
+def _external(url: str):
+    yield url, None
+
+
+def _drain(admin, timeout: float, floor: int = 0) -> bool:
+    """Wait until the server's document caches are back to `floor` bytes (0: none)."""
+    deadline = time.time() + timeout
+    while admin.predict(api_name="/server_status")["cache_bytes"] > floor:
+        if time.time() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
+
+
+def format_report(r: dict) -> str:
+    lines = [f"{r['rounds']} rounds of {r['clients']} clients for {r['duration_s']:.0f} s ({r['wall_s']} s wall), "
+             f"{r['requests']} requests, {r['failures']} failures, {r['hung_clients']} hung clients, "
+             f"caches drained: {r['caches_drained']}",
+             "| request | n | ok | readable message | failure | median s | max s |", "|---|---|---|---|---|---|---|"]
+    for kind, k in sorted(r["by_kind"].items()):
+        lines.append(f"| {kind} | {k['requests']} | {k['ok']} | {k['message']} | {k['failure']} | {k['median_s']} "
+                     f"| {k['max_s']} |")
+    if r["server_before"]:
+        b, p, after = r["server_before"], r["server_peak"], r["server_after_rounds"]
+        rounds = [f"after round {i + 1}" for i in range(len(after))]
+        lines += ["| server | baseline | peak | " + " | ".join(rounds) + " |", "|---" * (3 + len(after)) + "|"]
+        for key, label, fmt in [("rss_mib", "resident memory (MiB)", "{:.0f}"), ("threads", "threads", "{}"),
+                                ("children", "child processes", "{}")]:
+            lines.append(f"| {label} | {fmt.format(b[key])} | {fmt.format(p[key])} | "
+                         + " | ".join(fmt.format(a[key]) for a in after) + " |")
+        lines.append(f"| document caches (MiB) | 0 | {p.get('cache_mib', 0):.0f} | "
+                     + " | ".join("0" if r["caches_drained"] else "?" for _ in after) + " |")
+    lines += ["| readable message (first words) | n |", "|---|---|"]
+    lines += [f"| {m} | {n} |" for m, n in r["messages"].items()]
+    for reply in r["failure_replies"]:
+        lines.append(f"failure: {reply}")
+    return "\n".join(lines)
+
+
+def main(args) -> int:
+    report = run(args.clients, args.duration, args.url, args.app_args.split() if args.app_args else None,
+                 args.request_timeout, seed=args.seed, rounds=args.rounds)
+    print(format_report(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0 if report["failures"] == 0 and not report["hung_clients"] and report["caches_drained"] else 1

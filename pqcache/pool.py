@@ -1,0 +1,227 @@
+"""Many users, one model: a pool of document sessions under one memory cap.
+
+Each user (a browser tab, a gradio_client) has an id and at most one document cache per slot
+("qa", "teaching"). The model is shared; the caches are not. The pool
+
+  - frees a cache when its user leaves (`end`) or after `idle_s` without a request (`reap`),
+  - keeps the total bytes of resident caches under `max_bytes`: before a prefill it evicts the least
+    recently used idle caches to make room (`reserve`), and refuses the prefill with CapacityError
+    when busy caches alone leave no room,
+  - remembers why a cache was freed, so the user is told on the next request (`notice`), and a
+    request on a freed cache raises SessionEvictedError.
+
+A question works on a fork of the document cache; that working copy lives only while the answer is
+generated and is not counted here.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from .errors import CapacityError, SessionEvictedError
+
+
+@dataclass
+class Entry:
+    sessions: dict = field(default_factory=dict)  # slot -> DocumentSession with a loaded document
+    nbytes: dict = field(default_factory=dict)  # slot -> bytes (reserved, then measured)
+    stop: threading.Event = field(default_factory=threading.Event)
+    busy: int = 0  # requests in flight
+    last_used: float = 0.0
+    notice: str | None = None  # why a cache was freed, until the user has been told
+    freed: dict = field(default_factory=dict)  # slot -> why it was freed (for SessionEvictedError)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def release_host_memory():
+    """Hand freed heap pages back to the OS (glibc keeps them otherwise; RSS would not drop)."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def limit_malloc_arenas(n: int = 2):
+    """Fewer glibc heaps for a server whose many threads each allocate: freed cache memory then
+    returns to a few heaps that malloc_trim can shrink (the load test measured the difference)."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-8, n)  # M_ARENA_MAX
+    except (OSError, AttributeError):
+        pass
+
+
+class SessionPool:
+    def __init__(self, max_bytes: int, idle_s: float | None = 1800.0, clock=time.monotonic):
+        self.max_bytes, self.idle_s, self.clock = max_bytes, idle_s, clock
+        self.entries: dict[str, Entry] = {}
+        self.lock = threading.RLock()
+        self._reaper: threading.Thread | None = None
+        self._closing = threading.Event()
+
+    # ---- bookkeeping -----------------------------------------------------------------------------
+    def entry(self, user: str) -> Entry:
+        with self.lock:
+            if user not in self.entries:
+                self.entries[user] = Entry(last_used=self.clock())
+            return self.entries[user]
+
+    @contextmanager
+    def use(self, user: str):
+        """Mark `user` busy for one request (busy caches are never evicted)."""
+        entry = self.entry(user)
+        with self.lock:
+            entry.busy += 1
+            entry.last_used = self.clock()
+        try:
+            yield entry
+        finally:
+            with self.lock:
+                entry.busy -= 1
+                entry.last_used = self.clock()
+
+    def session(self, user: str, slot: str = "qa"):
+        """The user's loaded session in `slot`, or None; SessionEvictedError if the pool freed it."""
+        with self.lock:
+            entry = self.entry(user)
+            if slot in entry.sessions:
+                return entry.sessions[slot]
+            if slot in entry.freed:
+                entry.notice = None  # told now, by the error
+                raise SessionEvictedError(entry.freed[slot])
+            return None
+
+    def summary(self) -> dict:
+        """Users with a loaded document, users with a request in flight, cache bytes and the cap."""
+        with self.lock:
+            return {"users": sum(1 for e in self.entries.values() if e.sessions),
+                    "busy": sum(1 for e in self.entries.values() if e.busy),
+                    "cache_bytes": self.total_bytes(), "max_bytes": self.max_bytes}
+
+    def total_bytes(self) -> int:
+        with self.lock:
+            return sum(sum(e.nbytes.values()) for e in self.entries.values())
+
+    # ---- memory cap --------------------------------------------------------------------------------
+    def reserve(self, user: str, slot: str, nbytes: int):
+        """Make room for a cache of `nbytes` for (user, slot), evicting LRU idle caches of others."""
+        with self.lock:
+            entry = self.entry(user)
+            self._free(user, slot, None)  # the slot's old document goes first
+            if nbytes > self.max_bytes:
+                raise CapacityError(f"this document needs about {_gib(nbytes)} of cache; the server allows "
+                                    f"{_gib(self.max_bytes)} in all: use a shorter document")
+            self._evict_until(self.max_bytes - nbytes, keep=user)
+            if self.total_bytes() + nbytes > self.max_bytes:
+                raise CapacityError(f"the server's cache memory ({_gib(self.max_bytes)}) is held by users who are "
+                                    "generating right now: try again in a moment")
+            entry.nbytes[slot] = nbytes
+
+    def store(self, user: str, slot: str, session):
+        """Keep a loaded session; account its measured size and evict others if that went over."""
+        with self.lock:
+            entry = self.entry(user)
+            entry.sessions[slot] = session
+            entry.freed.pop(slot, None)
+            entry.nbytes[slot] = session.nbytes()
+            entry.last_used = self.clock()
+            self._evict_until(self.max_bytes, keep=user)
+
+    def unreserve(self, user: str, slot: str):
+        """A reservation whose prefill failed or was stopped."""
+        with self.lock:
+            entry = self.entry(user)
+            if slot not in entry.sessions:
+                entry.nbytes.pop(slot, None)
+
+    def _evict_until(self, limit: int, keep: str):
+        while self.total_bytes() > limit:
+            idle = [(e.last_used, u) for u, e in self.entries.items()
+                    if u != keep and e.busy == 0 and e.sessions]
+            if not idle:
+                return
+            _, victim = min(idle)
+            for slot in list(self.entries[victim].sessions):
+                self._free(victim, slot, f"your document was unloaded to make room for another user (the server "
+                                         f"keeps at most {_gib(self.max_bytes)} of caches); load it again")
+
+    def _free(self, user: str, slot: str, why: str | None):
+        entry = self.entries.get(user)
+        if entry is None:
+            return
+        session = entry.sessions.pop(slot, None)
+        entry.nbytes.pop(slot, None)
+        if session is not None:
+            session.close()
+            if why:
+                entry.freed[slot] = why
+                entry.notice = why
+
+    # ---- ends: leaving, idling --------------------------------------------------------------------
+    def free(self, user: str, slot: str = "qa"):
+        """The user unloads a document."""
+        with self.lock:
+            self._free(user, slot, None)
+        release_host_memory()
+
+    def end(self, user: str):
+        """The user left (tab closed): free everything of theirs and stop their work."""
+        with self.lock:
+            entry = self.entries.get(user)
+            if entry is None:
+                return
+            entry.stop.set()  # a request still running ends at its next layer or token
+            for slot in list(entry.sessions):
+                self._free(user, slot, None)
+            del self.entries[user]
+        release_host_memory()
+
+    def reap(self) -> list[str]:
+        """Free the caches of users idle for more than idle_s; returns those users."""
+        if self.idle_s is None:
+            return []
+        now, reaped = self.clock(), []
+        with self.lock:
+            for user, entry in list(self.entries.items()):
+                if entry.busy == 0 and now - entry.last_used > self.idle_s:
+                    if entry.sessions:
+                        for slot in list(entry.sessions):
+                            self._free(user, slot, f"your document was unloaded after {self.idle_s:g} s without a "
+                                                   "request; load it again")
+                        reaped.append(user)
+                    elif not entry.notice and not entry.freed:
+                        del self.entries[user]  # nothing left to tell them
+        if reaped:
+            release_host_memory()
+        return reaped
+
+    def notice(self, user: str) -> str | None:
+        """What the user has not been told yet about their cache (and forget it)."""
+        with self.lock:
+            entry = self.entries.get(user)
+            if entry is None or entry.notice is None:
+                return None
+            note, entry.notice = entry.notice, None
+            return note
+
+    def start_reaper(self, every_s: float = 5.0):
+        """A daemon thread calling reap() every `every_s` seconds."""
+        if self._reaper is not None:
+            return
+
+        def loop():
+            while not self._closing.wait(every_s):
+                self.reap()
+
+        self._reaper = threading.Thread(target=loop, name="pqcache-reaper", daemon=True)
+        self._reaper.start()
+
+    def close(self):
+        self._closing.set()
+        for user in list(self.entries):
+            self.end(user)
