@@ -19,6 +19,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 
 os.environ.setdefault("GRADIO_ANALYTICS_ENABLED", "False")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -66,6 +67,15 @@ def make_config(m, bits, budget, n_init, n_local, policy, capacity) -> PQCacheCo
                          n_init=number(n_init, "sink tokens", True), n_local=number(n_local, "window", True) or None,
                          cache_policy=policy, block_cache_tokens=number(capacity, "block cache", True) // 128 * 128,
                          pq_timeout_s=SETTINGS["pq_timeout_s"])
+
+
+def describe(exc: Exception) -> str:
+    """The message for the page: ours as written; anything unexpected logged with its traceback on the
+    server, and named on the page without one."""
+    if isinstance(exc, (PQCacheError, OSError)):
+        return str(exc)
+    traceback.print_exception(exc)
+    return f"unexpected {type(exc).__name__} on the server ({exc}); the details are in the server log"
 
 
 def user_of(request: gr.Request | None) -> str:
@@ -125,10 +135,10 @@ def load_document(file, pasted, method, m, bits, budget, n_init, n_local, policy
             POOL.unreserve(user, "qa")
             return ("Stopped: the document was not loaded.", gr.update(choices=[], value=None),
                     *panels(None, None, None))
-        except (InputError, PQCacheError, OSError) as exc:  # the page and any loaded document stay as they were
+        except Exception as exc:  # the page and any loaded document stay as they were
             POOL.unreserve(user, "qa")
             current = current_session(user)
-            return f"**Error:** {exc}", gr.update(), *panels(current, None, None)
+            return f"**Error:** {describe(exc)}", gr.update(), *panels(current, None, None)
         POOL.store(user, "qa", session)
     choices = pq_layer_choices(session)
     cut = (f" The document had {info['document_tokens']} tokens: its middle was cut to fit the model."
@@ -176,7 +186,7 @@ def ask(question, chat, method, max_new_tokens, layer, request: gr.Request):
                 result["answer"] = session.ask(question, method=method, max_new_tokens=int(max_new_tokens),
                                                stop=stop, observer=obs, on_token=lambda a: updates.put(a.text))
             except Exception as exc:  # shown in the chat; the session stays usable
-                result["error"] = exc
+                result["error"] = describe(exc)
             updates.put(None)
 
         chat += [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
@@ -261,9 +271,9 @@ def run_teaching(methods, fact, budget, state, request: gr.Request, progress=gr.
             session = DocumentSession(MODEL["model"], MODEL["tokenizer"], config, method="pqcache")
             session.load(text, progress=lambda f, msg: progress(0.5 * f, desc=msg),
                          reserve=lambda n: POOL.reserve(user, "teaching", n))
-        except PQCacheError as exc:
+        except Exception as exc:
             POOL.unreserve(user, "teaching")
-            return state, f"**Error:** {exc}", [], figures.heat_strip({}, 1), []
+            return state, f"**Error:** {describe(exc)}", [], figures.heat_strip({}, 1), []
         POOL.store(user, "teaching", session)
         return teaching_answers(session, text, methods, fact, progress)
 

@@ -130,16 +130,24 @@ class PQCache(Cache):
                 if idx is None:
                     continue
 
-                def pre(mod, args, idx=idx):
-                    starts[idx] = obs.now()
+                def pre(mod, args, kwargs, idx=idx):
+                    if self._is_mine(kwargs):
+                        starts[idx] = obs.now()
 
-                def post(mod, args, out, idx=idx):
-                    if obs.sync is not None:
-                        obs.sync()
-                    obs.event("device compute", idx, starts.pop(idx, obs.now()), obs.now())
+                def post(mod, args, kwargs, out, idx=idx):
+                    if self._is_mine(kwargs) and idx in starts:
+                        if obs.sync is not None:
+                            obs.sync()
+                        obs.event("device compute", idx, starts.pop(idx), obs.now())
 
-                self._hooks += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+                self._hooks += [module.register_forward_pre_hook(pre, with_kwargs=True),
+                                module.register_forward_hook(post, with_kwargs=True)]
         return obs
+
+    def _is_mine(self, kwargs) -> bool:
+        """A decoder layer's forward belongs to this cache (the model may serve several caches at once)."""
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        return cache is None or cache is self
 
     @property
     def pq_layers(self) -> list[PQLayer]:

@@ -1,6 +1,7 @@
 """Reliability through the Python API: bad input, cancellation, clustering-worker faults, many users."""
 import gc
 import threading
+import time
 
 import pytest
 import torch
@@ -234,6 +235,26 @@ def test_app_shows_the_fallback_notice(real_model, monkeypatch):
     assert status.startswith("Loaded") and "**Notice:** PQ clustering of layer 5 failed (ZeroDivisionError" in status
 
 
+def test_app_names_an_unexpected_error_without_a_traceback(real_model, monkeypatch):
+    import types
+
+    import app
+    from pqcache.session import DocumentSession as Session
+
+    monkeypatch.setitem(app.MODEL, "model", real_model[0])
+    monkeypatch.setitem(app.MODEL, "tokenizer", real_model[1])
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(Session, "load", broken)
+    status = app.load_document(None, "some text", "pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse",
+                               request=types.SimpleNamespace(session_hash="unexpected"), progress=lambda *a, **k: None)[0]
+    app.POOL.end("unexpected")
+    assert status == ("**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
+                      "the details are in the server log")
+
+
 # ---- many users: the session pool -------------------------------------------------------------------------------
 class Clock:
     def __init__(self):
@@ -310,3 +331,31 @@ def test_pool_frees_idle_and_ended_sessions(model):
     bob = pool.session("bob")
     pool.end("bob")  # tab closed
     assert bob.cache is None and "bob" not in pool.entries and pool.total_bytes() == 0
+
+
+@torch.no_grad()
+def test_observers_of_two_users_on_one_model_do_not_mix(model):
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(0))
+    ann, bob = (PQCache(model, PQCacheConfig(**CONFIG)) for _ in range(2))
+    ann_obs, bob_obs = ann.instrument(timeline=True), bob.instrument(timeline=True)
+    model(ids, cache=bob)
+    assert [e for e in ann_obs.events if e["lane"] == "device compute"] == []
+    assert len([e for e in bob_obs.events if e["lane"] == "device compute"]) == 3  # one per decoder layer
+    ann.close(), bob.close()
+
+
+def test_reaper_thread_frees_idle_sessions(model):
+    pool = SessionPool(max_bytes=2**30, idle_s=0.2)
+    s = session_of(model)
+    with pool.use("ann"):
+        s.load(TEXT)
+        pool.store("ann", "qa", s)
+    pool.start_reaper(every_s=0.05)
+    try:
+        deadline = time.monotonic() + 30
+        while pool.total_bytes() > 0:  # polling the reaper thread's effect
+            assert time.monotonic() < deadline, "the idle session was not freed"
+            time.sleep(0.02)
+        assert s.cache is None and "after 0.2 s without a request" in pool.notice("ann")
+    finally:
+        pool.close()
