@@ -330,8 +330,10 @@ class PQLayer(CacheLayerMixin):
         """Install finished builds (block: wait for all). A build that raised or ran past
         config.pq_timeout_s is a fault (see _fault); a set `stop` event raises Cancelled."""
         remaining = []
+        timeout = self.config.pq_timeout_s
         for i, fut in enumerate(self.jobs):
-            if not block and not fut.done():
+            overdue = timeout is not None and time.perf_counter() - fut.submitted > timeout
+            if not block and not fut.done() and not overdue:  # still within its time: check next step
                 remaining.append(fut)
                 continue
             ready = fut.done()
@@ -339,7 +341,7 @@ class PQLayer(CacheLayerMixin):
             try:
                 result = self._result(fut, stop)
             except Cancelled:
-                self.jobs = self.jobs[i:]
+                self.jobs = remaining + self.jobs[i:]
                 raise
             except Exception as exc:  # the worker raised, hung, or was shut down
                 self.jobs = []
@@ -356,6 +358,8 @@ class PQLayer(CacheLayerMixin):
         timeout = self.config.pq_timeout_s
         deadline = None if timeout is None else fut.submitted + timeout
         while True:
+            if fut.done():  # finished, however late: use it
+                return fut.result()
             left = None if deadline is None else deadline - time.perf_counter()
             if left is not None and left <= 0:
                 raise TimeoutError(f"not finished {timeout:g} s after it was submitted")

@@ -207,6 +207,28 @@ def test_worker_that_hangs_times_out_instead_of_hanging(model, monkeypatch):
     assert not new_threads(before_threads)
 
 
+@torch.no_grad()
+def test_a_background_rebuild_that_hangs_is_noticed_while_decoding(model, monkeypatch):
+    gate = Gate(pq.train_centroids)
+    gate.release.set()  # the prefill's builds pass
+    monkeypatch.setattr(pq, "train_centroids", gate)
+    cache = PQCache(model, PQCacheConfig(**CONFIG, rebuild_every=1, pq_timeout_s=0.3))
+    token = model(torch.randint(1, 96, (1, 120), generator=torch.Generator().manual_seed(1)),
+                  cache=cache).logits[:, -1:].argmax(-1)
+    cache.wait()
+    gate.release.clear()  # from now on the worker hangs (re-clustering every generated token)
+    try:
+        deadline = time.monotonic() + 60
+        while not cache.stats()["notices"]:  # decoding goes on meanwhile: a rebuild is never waited for
+            assert time.monotonic() < deadline, "the hung rebuild was never noticed"
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+        assert "not finished 0.3 s after it was submitted" in cache.stats()["notices"][0]
+        assert torch.isfinite(model(token, cache=cache).logits).all()  # and after the fallback
+    finally:
+        gate.release.set()
+        cache.close()
+
+
 def test_worker_fault_can_fail_the_request_instead(model, monkeypatch):
     monkeypatch.setattr(pq, "train_centroids", lambda *a, **k: 1 / 0)
     session = session_of(model, config={"on_pq_failure": "raise"})
