@@ -7,6 +7,10 @@ from dataclasses import asdict, dataclass
 from .errors import PQCacheConfigError
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, not to a user
+
+
 @dataclass
 class PQCacheConfig:
     # Product quantization: each key of head_dim d_h is split into `m` sub-vectors of d_h/m dims,
@@ -49,50 +53,44 @@ class PQCacheConfig:
 
     def __post_init__(self):
         errors = []
-        for name in ("m", "bits", "n_init", "n_local", "block_size", "block_cache_tokens", "block_admit",
-                     "rebuild_every", "turn_min_tokens", "seed"):
-            if isinstance(getattr(self, name), bool):  # True is an int to Python, not to a user
-                errors.append(f"{name} must be a number, got {getattr(self, name)!r}")
-        if errors:
-            raise PQCacheConfigError("invalid PQCacheConfig: " + "; ".join(errors))
-        if not isinstance(self.m, int) or self.m < 1:
+        if not _is_int(self.m) or self.m < 1:
             errors.append(f"m (number of sub-spaces) must be a positive int, got {self.m!r}")
-        if not isinstance(self.bits, int) or not 1 <= self.bits <= 8:
+        if not _is_int(self.bits) or not 1 <= self.bits <= 8:
             errors.append(f"bits must be an int in 1..8 so that codes fit in uint8, got {self.bits!r}")
         b = self.token_budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
             errors.append(f"token_budget must be > 0 (a fraction in (0, 1] or a token count), got {b!r}")
         elif isinstance(b, float) and b > 1 and not b.is_integer():
             errors.append(f"token_budget {b} is neither a fraction in (0, 1] nor a whole token count")
-        if not isinstance(self.n_init, int) or self.n_init < 0:
+        if not _is_int(self.n_init) or self.n_init < 0:
             errors.append(f"n_init must be an int >= 0, got {self.n_init!r}")
-        if self.n_local is not None and (not isinstance(self.n_local, int) or self.n_local < 1):
+        if self.n_local is not None and (not _is_int(self.n_local) or self.n_local < 1):
             errors.append(f"n_local must be None or an int >= 1 (the current token is always local), got {self.n_local!r}")
-        if not isinstance(self.seed, int):
+        if not _is_int(self.seed):
             errors.append(f"seed must be an int, got {self.seed!r}")
         if isinstance(self.local_ratio, bool) or not isinstance(self.local_ratio, (int, float)) \
                 or not 0 < self.local_ratio < 1:
             errors.append(f"local_ratio must be in (0, 1), got {self.local_ratio!r}")
         k = self.kmeans_iters
-        if not (k == "auto" or (isinstance(k, int) and not isinstance(k, bool) and k >= 1)):
+        if not (k == "auto" or (_is_int(k) and k >= 1)):
             errors.append(f"kmeans_iters must be 'auto' or an int >= 1, got {k!r}")
         if self.metric not in ("l2", "ip"):
             errors.append(f"metric must be 'l2' or 'ip', got {self.metric!r}")
         if self.gqa_combine not in ("softmax_sum", "sum"):
             errors.append(f"gqa_combine must be 'softmax_sum' or 'sum', got {self.gqa_combine!r}")
-        if not isinstance(self.block_size, int) or self.block_size < 1:
+        if not _is_int(self.block_size) or self.block_size < 1:
             errors.append(f"block_size must be an int >= 1, got {self.block_size!r}")
-        elif not isinstance(self.block_cache_tokens, int) or self.block_cache_tokens < 0 \
+        elif not _is_int(self.block_cache_tokens) or self.block_cache_tokens < 0 \
                 or self.block_cache_tokens % self.block_size:
             errors.append(f"block_cache_tokens must be 0 or a multiple of block_size={self.block_size}, "
                           f"got {self.block_cache_tokens!r}")
-        if not isinstance(self.block_admit, int) or self.block_admit < 1:
+        if not _is_int(self.block_admit) or self.block_admit < 1:
             errors.append(f"block_admit must be an int >= 1, got {self.block_admit!r}")
         if self.cache_policy not in ("lru", "lfu"):
             errors.append(f"cache_policy must be 'lru' or 'lfu', got {self.cache_policy!r}")
-        if self.rebuild_every is not None and (not isinstance(self.rebuild_every, int) or self.rebuild_every < 1):
+        if self.rebuild_every is not None and (not _is_int(self.rebuild_every) or self.rebuild_every < 1):
             errors.append(f"rebuild_every must be None or an int >= 1, got {self.rebuild_every!r}")
-        if not isinstance(self.turn_min_tokens, int) or self.turn_min_tokens < 1:
+        if not _is_int(self.turn_min_tokens) or self.turn_min_tokens < 1:
             errors.append(f"turn_min_tokens must be an int >= 1, got {self.turn_min_tokens!r}")
         if not errors and self.is_absolute_budget and self.n_local is not None:
             if self.n_init + self.n_local > int(b):
@@ -113,7 +111,7 @@ class PQCacheConfig:
 
     @property
     def is_absolute_budget(self) -> bool:
-        return self.token_budget > 1 or (isinstance(self.token_budget, int) and not isinstance(self.token_budget, bool))
+        return self.token_budget > 1 or _is_int(self.token_budget)
 
     def budget_tokens(self, context_len: int) -> int:
         """Total tokens attended per step for a context of `context_len` tokens."""
