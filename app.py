@@ -1,7 +1,7 @@
 """PQCache Studio: ask questions about a long document and watch PQ-retrieved attention at work.
 
 python app.py [--host 127.0.0.1] [--port 7860] [--model default|PATH] [--concurrency 2]
-              [--max-cache-gib G] [--idle-minutes 30] [--pq-timeout 120]
+              [--max-cache-gib G] [--idle-minutes 30] [--max-document-tokens N] [--pq-timeout 120]
 
 Tabs: Document Q&A (upload or paste, prefill once, streamed answers, live cache panels), Teaching
 (one prefill, several methods side by side, token spotlight, step-through walkthrough), Cost model.
@@ -76,6 +76,11 @@ def describe(exc: Exception) -> str:
         return str(exc)
     traceback.print_exception(exc)
     return f"unexpected {type(exc).__name__} on the server ({exc}); the details are in the server log"
+
+
+def sentence(message: str) -> str:
+    """An engine message ("your document was unloaded ...") as a sentence for the page."""
+    return message[:1].upper() + message[1:] + "."
 
 
 def user_of(request: gr.Request | None) -> str:
@@ -165,7 +170,7 @@ def ask(question, chat, method, max_new_tokens, layer, request: gr.Request):
         try:
             session = POOL.session(user)
         except PQCacheError as exc:  # evicted or freed: tell them, keep the page working
-            chat.append({"role": "assistant", "content": f"{str(exc)[0].upper()}{str(exc)[1:]}."})
+            chat.append({"role": "assistant", "content": sentence(str(exc))})
             yield chat, "", *panels(None, None, None)
             return
         if session is None:
@@ -235,7 +240,7 @@ def unload_document(request: gr.Request):
 def pool_notice(request: gr.Request):
     """Polled by the page: tells a user whose cache the server freed while they were away."""
     note = POOL.notice(user_of(request))
-    return gr.update() if note is None else f"**Notice:** {note[0].upper()}{note[1:]}."
+    return gr.update() if note is None else f"**Notice:** {sentence(note)}"
 
 
 def refresh_panels(layer, request: gr.Request):

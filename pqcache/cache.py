@@ -61,6 +61,14 @@ def kv_bytes(layer) -> int:
     return 0 if keys is None else 2 * keys.numel() * keys.element_size()
 
 
+def decoder_layers(model):
+    """(layer_idx, module) of each decoder layer of a transformers model (the modules with a self_attn)."""
+    for module in model.modules():
+        idx = getattr(getattr(module, "self_attn", None), "layer_idx", None)
+        if idx is not None:
+            yield idx, module
+
+
 def register_attention():
     if ATTN_NAME not in AttentionInterface._global_mapping:
         AttentionInterface.register(ATTN_NAME, pqcache_attention)
@@ -125,10 +133,7 @@ class PQCache(Cache):
             if next(model.parameters()).device.type == "cuda":
                 obs.sync = torch.cuda.synchronize
             starts = {}
-            for module in model.modules():
-                idx = getattr(getattr(module, "self_attn", None), "layer_idx", None)
-                if idx is None:
-                    continue
+            for idx, module in decoder_layers(model):
 
                 def pre(mod, args, kwargs, idx=idx):
                     if self._is_mine(kwargs):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import CancelledError, Executor, Future
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from contextlib import nullcontext
 
 import torch
@@ -268,8 +268,8 @@ class PQLayer(CacheLayerMixin):
     def _submit(self, start: int, end: int, iters: int, kind: str):
         try:
             fut = self.executor.submit(self._build, start, end, iters, kind)
-        except RuntimeError as exc:  # the executor was shut down after a fault in another layer
-            self._fault(exc)
+        except RuntimeError:  # the executor was shut down after a fault in another layer
+            self._fault(CancelledError())
             return
         fut.submitted = time.perf_counter()
         self.jobs.append(fut)
@@ -357,25 +357,19 @@ class PQLayer(CacheLayerMixin):
     def _result(self, fut: Future, stop=None) -> dict:
         timeout = self.config.pq_timeout_s
         deadline = None if timeout is None else fut.submitted + timeout
-        while True:
-            if fut.done():  # finished, however late: use it
-                return fut.result()
+        while not fut.done():  # a build that finished, however late, is used
             left = None if deadline is None else deadline - time.perf_counter()
             if left is not None and left <= 0:
                 raise TimeoutError(f"not finished {timeout:g} s after it was submitted")
-            wait = left if stop is None else min(0.1, left if left is not None else 0.1)
-            try:
-                return fut.result(timeout=wait)
-            except FutureTimeout:
-                if stop is not None and stop.is_set():
-                    raise Cancelled("stopped while clustering") from None
+            if stop is not None and stop.is_set():
+                raise Cancelled("stopped while clustering")
+            wait_futures([fut], timeout=left if stop is None else 0.1 if left is None else min(0.1, left))
+        return fut.result()
 
     def _fault(self, exc: BaseException):
         """A PQ build failed: stop the cache's other builds, then raise or attend exactly from now on."""
         if isinstance(exc, CancelledError):
             why = "its build was cancelled after a fault in another layer"
-        elif isinstance(exc, RuntimeError) and "shutdown" in str(exc):
-            why = "the clustering worker was shut down after a fault in another layer"
         else:
             why = f"{type(exc).__name__}: {exc}"
         reason = f"PQ clustering of layer {self.layer_idx} failed ({why})"

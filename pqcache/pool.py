@@ -112,10 +112,10 @@ class SessionPool:
         """Make room for a cache of `nbytes` for (user, slot), evicting LRU idle caches of others."""
         with self.lock:
             entry = self.entry(user)
-            self._free(user, slot, None)  # the slot's old document goes first
-            if nbytes > self.max_bytes:
+            if nbytes > self.max_bytes:  # refused before anything is freed: the old document stays
                 raise CapacityError(f"this document needs about {_gib(nbytes)} of cache; the server allows "
                                     f"{_gib(self.max_bytes)} in all: use a shorter document")
+            self._free(user, slot, None)  # the slot's old document goes first
             self._evict_until(self.max_bytes - nbytes, keep=user)
             if self.total_bytes() + nbytes > self.max_bytes:
                 raise CapacityError(f"the server's cache memory ({_gib(self.max_bytes)}) is held by users who are "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from .cache import PQCache
+from .cache import PQCache, decoder_layers
 from .config import PQCacheConfig
 from .errors import Cancelled, DocumentTooLongError, InputError, NoDocumentError
 from .documents import check_text
@@ -46,10 +46,7 @@ def layer_hooks(model, on_layer=None, stop: threading.Event | None = None):
         if stop is not None and stop.is_set() and threading.get_ident() == me:
             raise Cancelled("stopped")
 
-    for module in model.modules():
-        idx = getattr(getattr(module, "self_attn", None), "layer_idx", None)
-        if idx is None:
-            continue
+    for idx, module in decoder_layers(model):
         if stop is not None:
             hooks.append(module.register_forward_pre_hook(pre))
         if on_layer is not None:

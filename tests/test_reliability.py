@@ -240,39 +240,38 @@ def test_worker_fault_can_fail_the_request_instead(model, monkeypatch):
     assert session.cache.stats()["notices"] == []
 
 
-def test_app_shows_the_fallback_notice(real_model, monkeypatch):
+@pytest.fixture
+def app_load(real_model, monkeypatch):
+    """app.load_document called in-process with the bundled model, as user `name`; returns the status."""
     import types
 
     import app
 
     monkeypatch.setitem(app.MODEL, "model", real_model[0])
     monkeypatch.setitem(app.MODEL, "tokenizer", real_model[1])
+
+    def load(name, text):
+        try:
+            return app.load_document(None, text, "pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse",
+                                     request=types.SimpleNamespace(session_hash=name), progress=lambda *a, **k: None)[0]
+        finally:
+            app.POOL.end(name)
+
+    return load
+
+
+def test_app_shows_the_fallback_notice(app_load, monkeypatch):
     monkeypatch.setattr(pq, "train_centroids", lambda *a, **k: 1 / 0)
-    request = types.SimpleNamespace(session_hash="fault-test")
-    try:
-        status = app.load_document(None, "The pass key is 68422. " * 40, "pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024,
-                                   "utf-8", "refuse", request=request, progress=lambda *a, **k: None)[0]
-    finally:
-        app.POOL.end("fault-test")
+    status = app_load("fault-test", "The pass key is 68422. " * 40)
     assert status.startswith("Loaded") and "**Notice:** PQ clustering of layer 5 failed (ZeroDivisionError" in status
 
 
-def test_app_names_an_unexpected_error_without_a_traceback(real_model, monkeypatch):
-    import types
-
-    import app
-    from pqcache.session import DocumentSession as Session
-
-    monkeypatch.setitem(app.MODEL, "model", real_model[0])
-    monkeypatch.setitem(app.MODEL, "tokenizer", real_model[1])
-
+def test_app_names_an_unexpected_error_without_a_traceback(app_load, monkeypatch):
     def broken(self, *args, **kwargs):
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
 
-    monkeypatch.setattr(Session, "load", broken)
-    status = app.load_document(None, "some text", "pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse",
-                               request=types.SimpleNamespace(session_hash="unexpected"), progress=lambda *a, **k: None)[0]
-    app.POOL.end("unexpected")
+    monkeypatch.setattr(DocumentSession, "load", broken)
+    status = app_load("unexpected", "some text")
     assert status == ("**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
                       "the details are in the server log")
 
