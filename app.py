@@ -29,11 +29,11 @@ for var in ("NO_PROXY", "no_proxy"):  # the browser and the client talk to local
 import gradio as gr  # noqa: E402
 
 from pqcache import METHODS, Instrumentation, PQCacheConfig, PQCacheConfigError, load_model  # noqa: E402
-from pqcache import costmodel  # noqa: E402
-from pqcache.documents import MAX_DOCUMENT_BYTES, read_document  # noqa: E402
-from pqcache.errors import Cancelled, InputError, PQCacheError  # noqa: E402
-from pqcache.pool import SessionPool, limit_malloc_arenas  # noqa: E402
-from pqcache.session import DocumentSession  # noqa: E402
+from pqcache.tools import costmodel  # noqa: E402
+from pqcache.serving.documents import MAX_DOCUMENT_BYTES, read_document  # noqa: E402
+from pqcache.engine.errors import Cancelled, InputError, PQCacheError  # noqa: E402
+from pqcache.serving.pool import SessionPool, limit_malloc_arenas  # noqa: E402
+from pqcache.serving.session import DocumentSession  # noqa: E402
 from viz import figures  # noqa: E402
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")

@@ -1,11 +1,11 @@
 """PQCache: product-quantization KV cache for long-context LLM inference (SIGMOD 2025)."""
-from .cache import PQCache
-from .config import PQCacheConfig
-from .errors import (Cancelled, CapacityError, DocumentEncodingError, DocumentError, DocumentTooLongError,
+from pqcache.engine.cache import PQCache
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.errors import (Cancelled, CapacityError, DocumentEncodingError, DocumentError, DocumentTooLongError,
                      InputError, NoDocumentError, PQBuildError, PQCacheConfigError, PQCacheError, SessionEvictedError)
-from .instrument import Instrumentation
-from .loading import ModelNotFoundError, load_model
-from .methods import METHODS, make_method
+from pqcache.engine.instrument import Instrumentation
+from pqcache.serving.loading import ModelNotFoundError, load_model
+from pqcache.engine.methods import METHODS, make_method
 
 __all__ = ["PQCache", "PQCacheConfig", "Instrumentation", "load_model", "ModelNotFoundError", "METHODS",
            "make_method", "PQCacheError", "InputError", "PQCacheConfigError", "DocumentError", "DocumentEncodingError",

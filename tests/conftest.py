@@ -62,7 +62,7 @@ def real_model():
 
 def launch_app(*flags):
     """`python app.py` launched as a user launches it, on a free localhost port; yields its URL."""
-    from pqcache.loadtest import running_app
+    from pqcache.tools.loadtest import running_app
 
     with running_app(*flags) as (url, _):
         yield url

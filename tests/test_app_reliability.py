@@ -6,7 +6,7 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.utils import Status
 
-from pqcache.passkey import QUESTION, passkey_context
+from pqcache.tools.passkey import QUESTION, passkey_context
 
 from .test_documents import BAD_FILES
 
@@ -140,7 +140,7 @@ def test_stop_during_prefill_then_everything_works(client):
 
 
 def test_load_test_script_runs_clean_against_the_app(small_app_url):
-    from pqcache import loadtest
+    from pqcache.tools import loadtest
 
     report = loadtest.run(clients=3, duration=8, url=small_app_url, rounds=1, request_timeout=180)
     assert report["failures"] == 0, report["failure_replies"]

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
-from pqcache.calibrate import calibrate, fit_cluster, fit_prefill, save
-from pqcache.iters import DEFAULT_ITERS, ITERS_RANGE, kmeans_iters_for, t_max
+from pqcache.tools.calibrate import calibrate, fit_cluster, fit_prefill, save
+from pqcache.engine.iters import DEFAULT_ITERS, ITERS_RANGE, kmeans_iters_for, t_max
 
 from .conftest import tiny_model
 

@@ -3,8 +3,8 @@ import codecs
 
 import pytest
 
-from pqcache.documents import read_document
-from pqcache.errors import DocumentEncodingError, DocumentError, InputError
+from pqcache.serving.documents import read_document
+from pqcache.engine.errors import DocumentEncodingError, DocumentError, InputError
 
 
 def make_pdf(text: str | None) -> bytes:

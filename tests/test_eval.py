@@ -4,7 +4,9 @@ import json
 import pytest
 import torch
 
-from pqcache import PQCacheConfig, datasets, evaluate
+from pqcache import PQCacheConfig
+from pqcache.tools import datasets
+from pqcache.tools import evaluate
 
 from .conftest import WordTokenizer, tiny_model
 

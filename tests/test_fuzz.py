@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pqcache import METHODS, PQCache, PQCacheConfig
-from pqcache.documents import read_document
-from pqcache.errors import DocumentError, PQCacheConfigError
+from pqcache.serving.documents import read_document
+from pqcache.engine.errors import DocumentError, PQCacheConfigError
 
 from .conftest import tiny_model
 

@@ -4,8 +4,8 @@ import torch
 from transformers import DynamicCache
 
 from pqcache import PQCache, PQCacheConfig
-from pqcache.methods import METHODS, make_method
-from pqcache.methods.pyramidkv import pyramid_budgets
+from pqcache.engine.methods import METHODS, make_method
+from pqcache.engine.methods.pyramidkv import pyramid_budgets
 
 from .conftest import tiny_model
 
@@ -79,7 +79,7 @@ def _selected(layer):
 
 def test_oracle_equals_exact_ranking_on_planted_keys():
     """A layer filled by hand: the oracle picks exactly the k keys with the largest q.k."""
-    from pqcache.bench import filled_layer
+    from pqcache.tools.bench import filled_layer
 
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 1, 500, 16, generator=g)
@@ -181,7 +181,7 @@ def test_h2o_accumulates_scores_and_evicts_for_good():
 
 
 def test_infllm_picks_blocks_by_representative_keys():
-    from pqcache.bench import filled_layer
+    from pqcache.tools.bench import filled_layer
 
     g = torch.Generator().manual_seed(8)
     D, bs = 16, 16

@@ -3,8 +3,8 @@ import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig, PQCacheConfigError
-from pqcache import pq
-from pqcache.bench import filled_layer
+from pqcache.engine import pq
+from pqcache.tools.bench import filled_layer
 
 from .conftest import tiny_model
 

@@ -4,7 +4,7 @@ import torch
 from transformers import DynamicCache
 
 from pqcache import ModelNotFoundError, PQCache, PQCacheConfig, load_model
-from pqcache.passkey import passkey_prompt
+from pqcache.tools.passkey import passkey_prompt
 
 
 @pytest.mark.parametrize("key,depth", [("68422", 0.4), ("31907", 0.8)])
@@ -40,7 +40,7 @@ def test_load_model_from_local_folder(real_model, tmp_path):
     """Any local transformers folder loads: a tiny Llama saved to disk."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from pqcache.loading import default_model_dir
+    from pqcache.serving.loading import default_model_dir
 
     LlamaForCausalLM(LlamaConfig(vocab_size=262144, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
                                  num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)

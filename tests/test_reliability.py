@@ -6,11 +6,12 @@ import time
 import pytest
 import torch
 
-from pqcache import PQCache, PQCacheConfig, pq
-from pqcache.errors import (Cancelled, CapacityError, DocumentTooLongError, InputError, NoDocumentError,
+from pqcache import PQCache, PQCacheConfig
+from pqcache.engine import pq
+from pqcache.engine.errors import (Cancelled, CapacityError, DocumentTooLongError, InputError, NoDocumentError,
                             PQBuildError, SessionEvictedError)
-from pqcache.pool import SessionPool
-from pqcache.session import DocumentSession
+from pqcache.serving.pool import SessionPool
+from pqcache.serving.session import DocumentSession
 
 from .conftest import WordTokenizer, tiny_model
 

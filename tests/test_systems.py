@@ -5,9 +5,10 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from pqcache import PQCache, PQCacheConfig, pq
-from pqcache.blockcache import BlockCache
-from pqcache.instrument import Instrumentation
+from pqcache import PQCache, PQCacheConfig
+from pqcache.engine import pq
+from pqcache.engine.layer.blockcache import BlockCache
+from pqcache.engine.instrument import Instrumentation
 
 from .conftest import tiny_model
 

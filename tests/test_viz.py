@@ -5,7 +5,8 @@ import plotly.graph_objects as go
 import pytest
 import torch
 
-from pqcache import PQCache, PQCacheConfig, costmodel
+from pqcache import PQCache, PQCacheConfig
+from pqcache.tools import costmodel
 from viz import figures
 
 from .conftest import tiny_model

@@ -12,8 +12,8 @@ from collections import defaultdict
 
 import torch
 
-from .cache import PQCache
-from .config import PQCacheConfig
+from pqcache.engine.cache import PQCache
+from pqcache.engine.config import PQCacheConfig
 
 REQUIRED = ("id", "context", "question", "answers")
 
@@ -114,8 +114,8 @@ def recall_study(model, tokenizer, context: str, ms=(1, 2, 4, 8), bits_list=(4, 
                  budgets=(0.2, 0.1, 0.05), n_queries: int = 16, iters: int = 20) -> list[dict]:
     """PQ top-k recall and attention-mass recall against exact scores on the model's real keys: the
     full-attention layers' keys of one prefill, the last n_queries prefill queries as queries."""
-    from .bench import filled_layer
-    from .methods.base import combine_rows, topk_positions
+    from pqcache.tools.bench import filled_layer
+    from pqcache.engine.methods.base import combine_rows, topk_positions
 
     device = next(model.parameters()).device
     ids = tokenizer(context, return_tensors="pt").input_ids.to(device)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Method, exact_scores, select_top
+from pqcache.engine.methods.base import Method, exact_scores, select_top
 
 
 @dataclass

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 
-from .errors import PQCacheConfigError
+from pqcache.engine.errors import PQCacheConfigError
 
 
 def _is_int(x) -> bool:

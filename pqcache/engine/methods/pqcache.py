@@ -5,8 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .. import pq
-from .base import Method, positions_of, select_top
+from pqcache.engine import pq
+from pqcache.engine.methods.base import Method, positions_of, select_top
 
 
 @dataclass

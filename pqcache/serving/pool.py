@@ -21,7 +21,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from .errors import CapacityError, SessionEvictedError
+from pqcache.engine.errors import CapacityError, SessionEvictedError
 
 
 @dataclass

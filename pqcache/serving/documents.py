@@ -9,7 +9,7 @@ from __future__ import annotations
 import codecs
 import os
 
-from .errors import DocumentEncodingError, DocumentError
+from pqcache.engine.errors import DocumentEncodingError, DocumentError
 
 MAX_DOCUMENT_BYTES = 10 * 2**20  # 10 MiB: far more text than any context holds, and a few large PDFs
 TEXT_TYPES = (".txt", ".md")

@@ -7,8 +7,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from .config import PQCacheConfig
-from .layer import PQLayer
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.layer.layer import PQLayer
 
 
 def _median_ms(fn, repeats: int, sync=None) -> float:
@@ -106,7 +106,7 @@ SHAPES = {"llama": (32, 8, 128), "gemma": (4, 1, 256)}  # (query heads, KV heads
 
 
 def _ids(tokenizer, n: int) -> torch.Tensor:
-    from .passkey import passkey_context
+    from pqcache.tools.passkey import passkey_context
 
     text = passkey_context("68422", n_filler=max(1, n // 22))
     ids = tokenizer(text, return_tensors="pt").input_ids
@@ -121,7 +121,7 @@ def bench_ttft(model, tokenizer, seq_lens=(8192,), config: PQCacheConfig | None 
     is built: the cache is ready for the next token). Run alternately, best of `repeats`."""
     from transformers import DynamicCache
 
-    from .cache import PQCache
+    from pqcache.engine.cache import PQCache
 
     config = config or PQCacheConfig()
     device = next(model.parameters()).device
@@ -155,7 +155,7 @@ def _config_for(name: str):
     if name == "llama-3.1-8b":
         return LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                            num_hidden_layers=32, intermediate_size=14336, vocab_size=128256), torch.bfloat16
-    from .loading import prepare_default_model
+    from pqcache.serving.loading import prepare_default_model
 
     return AutoConfig.from_pretrained(prepare_default_model(lambda *_: None)), torch.float32
 
@@ -165,7 +165,7 @@ def bench_memory(seq_lens=(16384,), budgets=(0.2, 0.1), models=("gemma3-270m", "
     their update() with tensors of the model's shapes (no weights needed)."""
     from transformers import DynamicCache
 
-    from .cache import PQCache, kv_bytes
+    from pqcache.engine.cache import PQCache, kv_bytes
 
     rows = []
     for name in models:
@@ -200,8 +200,8 @@ def bench_memory(seq_lens=(16384,), budgets=(0.2, 0.1), models=("gemma3-270m", "
 def bench_blockcache(model, tokenizer, seq_len=4096, new_tokens=256, capacities=(512, 1024),
                      policies=("lru", "lfu"), budget=0.2) -> list[dict]:
     """Block-cache hit rate over a generation on a long document, per policy and capacity."""
-    from .cache import PQCache
-    from .generate import decode_one_token, prefill
+    from pqcache.engine.cache import PQCache
+    from pqcache.serving.generate import decode_one_token, prefill
 
     device = next(model.parameters()).device
     ids = _ids(tokenizer, seq_len).to(device)

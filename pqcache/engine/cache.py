@@ -17,11 +17,11 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .config import PQCacheConfig
-from .instrument import Instrumentation
-from .methods import Method, make_method
-from .iters import kmeans_iters_for
-from .layer import PQLayer
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.instrument import Instrumentation
+from pqcache.engine.methods import Method, make_method
+from pqcache.engine.iters import kmeans_iters_for
+from pqcache.engine.layer.layer import PQLayer
 
 ATTN_NAME = "pqcache"
 _active = threading.local()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, positions_of, topk_positions
+from pqcache.engine.methods.base import Method, positions_of, topk_positions
 
 
 def prefill_attention_received(layer, query, scaling: float, chunk: int = 256) -> torch.Tensor:

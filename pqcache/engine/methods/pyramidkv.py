@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .snapkv import SnapKV
+from pqcache.engine.methods.snapkv import SnapKV
 
 
 def pyramid_budgets(k_avg: int, n_layers: int, beta: float, cap: int) -> list[int]:

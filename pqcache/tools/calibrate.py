@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from .cache import PQCache
-from .config import PQCacheConfig
-from .iters import calibration_path, t_max
+from pqcache.engine.cache import PQCache
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.iters import calibration_path, t_max
 
 
 def fit_prefill(points: list[tuple[int, float]]) -> dict:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .base import Method, positions_of, topk_positions
+from pqcache.engine.methods.base import Method, positions_of, topk_positions
 
 
 def observation_scores(layer, query, scaling: float, window: int, kernel: int, pooling: str) -> torch.Tensor:

@@ -31,12 +31,12 @@ from contextlib import nullcontext
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from . import pq
-from .blockcache import BlockCache
-from .config import PQCacheConfig
-from .errors import Cancelled, InputError, PQBuildError
-from .methods.base import Method, combine_rows, topk_positions
-from .methods.full import Full
+from pqcache.engine import pq
+from pqcache.engine.layer.blockcache import BlockCache
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.errors import Cancelled, InputError, PQBuildError
+from pqcache.engine.methods.base import Method, combine_rows, topk_positions
+from pqcache.engine.methods.full import Full
 
 
 class PQLayer(CacheLayerMixin):
@@ -47,7 +47,7 @@ class PQLayer(CacheLayerMixin):
     def __init__(self, config: PQCacheConfig, layer_idx: int, executor: Executor, iters_for: callable,
                  method: Method | None = None, depth: tuple[int, int] = (0, 1)):
         super().__init__()
-        from .methods.pqcache import PQCacheMethod
+        from pqcache.engine.methods.pqcache import PQCacheMethod
 
         self.config = config
         self.method = method or PQCacheMethod()

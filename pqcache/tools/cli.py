@@ -6,10 +6,10 @@ import json
 import sys
 from pathlib import Path
 
-from .config import PQCacheConfig
-from .errors import PQCacheError
-from .loading import ModelNotFoundError
-from .methods import METHODS
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.errors import PQCacheError
+from pqcache.serving.loading import ModelNotFoundError
+from pqcache.engine.methods import METHODS
 
 
 def _budget(text: str):
@@ -106,10 +106,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> int:
-    from .generate import build_prompt, generate
-    from .loading import load_model
+    from pqcache.serving.generate import build_prompt, generate
+    from pqcache.serving.loading import load_model
 
-    from .documents import read_document
+    from pqcache.serving.documents import read_document
 
     context = ""
     if args.context_file is not None:  # .txt, .md or .pdf; bad files raise DocumentError (printed, exit 2)
@@ -157,7 +157,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def cmd_bench(args) -> int:
-    from . import bench
+    from pqcache.tools import bench
 
     kw = {}
     if args.seq_lens:
@@ -175,7 +175,7 @@ def cmd_bench(args) -> int:
         kw.pop("repeats", None)
         rows = bench.bench_memory(**kw)
     else:
-        from .loading import load_model
+        from pqcache.serving.loading import load_model
 
         model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
         if args.which == "ttft":
@@ -192,8 +192,8 @@ def cmd_bench(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from . import calibrate
-    from .loading import load_model
+    from pqcache.tools import calibrate
+    from pqcache.serving.loading import load_model
 
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
     fit = calibrate.calibrate(model, tok, seq_lens=args.seq_lens,
@@ -211,9 +211,9 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from . import evaluate
-    from .loading import load_model
-    from .methods import METHODS
+    from pqcache.tools import evaluate
+    from pqcache.serving.loading import load_model
+    from pqcache.engine.methods import METHODS
 
     if args.mode is None and args.cases is None:
         raise ValueError("give --cases FILE.jsonl (or `eval recall`)")
@@ -226,7 +226,7 @@ def cmd_eval(args) -> int:
                            n_local=args.n_local)
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
     if args.mode == "recall":
-        from .datasets import essays_text
+        from pqcache.tools.datasets import essays_text
 
         text = tok.decode(tok(essays_text()).input_ids[1:args.context_tokens])
         rows = evaluate.recall_study(model, tok, text)
@@ -255,8 +255,8 @@ def cmd_eval(args) -> int:
 def cmd_datasets(args) -> int:
     from transformers import AutoTokenizer
 
-    from . import datasets
-    from .loading import prepare_default_model
+    from pqcache.tools import datasets
+    from pqcache.serving.loading import prepare_default_model
 
     tok = AutoTokenizer.from_pretrained(prepare_default_model(lambda msg: print(msg, file=sys.stderr)))
     if args.kind == "niah":
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
         if args.command == "datasets":
             return cmd_datasets(args)
         if args.command == "loadtest":
-            from . import loadtest
+            from pqcache.tools import loadtest
 
             return loadtest.main(args)
         return cmd_bench(args)

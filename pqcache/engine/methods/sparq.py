@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, select_top
+from pqcache.engine.methods.base import Method, select_top
 
 
 @dataclass

@@ -7,10 +7,10 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from .cache import PQCache, kv_bytes
-from .config import PQCacheConfig
-from .errors import InputError
-from .methods import METHODS
+from pqcache.engine.cache import PQCache, kv_bytes
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.errors import InputError
+from pqcache.engine.methods import METHODS
 
 
 def make_cache(model, method: str, config: PQCacheConfig | None = None):

@@ -14,17 +14,17 @@
 """
 from __future__ import annotations
 
-from ..errors import InputError
-from .base import Method
-from .full import Full
-from .h2o import H2O
-from .infllm import InfLLM
-from .oracle import Oracle
-from .pqcache import PQCacheMethod
-from .pyramidkv import PyramidKV
-from .snapkv import SnapKV
-from .sparq import SparQ
-from .streaming import StreamingLLM
+from pqcache.engine.errors import InputError
+from pqcache.engine.methods.base import Method
+from pqcache.engine.methods.full import Full
+from pqcache.engine.methods.h2o import H2O
+from pqcache.engine.methods.infllm import InfLLM
+from pqcache.engine.methods.oracle import Oracle
+from pqcache.engine.methods.pqcache import PQCacheMethod
+from pqcache.engine.methods.pyramidkv import PyramidKV
+from pqcache.engine.methods.snapkv import SnapKV
+from pqcache.engine.methods.sparq import SparQ
+from pqcache.engine.methods.streaming import StreamingLLM
 
 METHODS: dict[str, type[Method]] = {
     cls.name: cls for cls in (Full, Oracle, StreamingLLM, H2O, SnapKV, PyramidKV, SparQ, InfLLM, PQCacheMethod)

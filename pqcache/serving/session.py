@@ -18,11 +18,11 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
-from .cache import PQCache, decoder_layers
-from .config import PQCacheConfig
-from .errors import Cancelled, DocumentTooLongError, InputError, NoDocumentError
-from .documents import check_text
-from .instrument import Instrumentation
+from pqcache.engine.cache import PQCache, decoder_layers
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.errors import Cancelled, DocumentTooLongError, InputError, NoDocumentError
+from pqcache.serving.documents import check_text
+from pqcache.engine.instrument import Instrumentation
 
 ANSWER_ROOM = 512  # tokens kept free for the question and the answer
 

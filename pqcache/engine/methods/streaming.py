@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import Method, positions_of
+from pqcache.engine.methods.base import Method, positions_of
 
 
 @dataclass

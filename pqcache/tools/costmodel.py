@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import PQCacheConfig
+from pqcache.engine.config import PQCacheConfig
 
 
 @dataclass(frozen=True)

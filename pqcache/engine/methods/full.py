@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Method, positions_of
+from pqcache.engine.methods.base import Method, positions_of
 
 
 @dataclass
