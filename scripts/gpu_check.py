@@ -37,7 +37,7 @@ def check_exact(device):
     diff = (torch.stack(ref.scores) - torch.stack(out.scores)).abs().max().item()
     layer = cache.pq_layers[0]
     return {"max_logit_diff": diff, "same_tokens": bool(torch.equal(ref.sequences, out.sequences)),
-            "host_pinned": bool(layer.k_host.is_pinned()), "device_tier": str(layer.dev_k.device)}
+            "host_pinned": bool(layer.host.own_k.is_pinned()), "device_tier": str(layer.window.k.device)}
 
 
 def check_passkey(device):

@@ -6,7 +6,8 @@ import torch
 
 from pqcache import PQCache, PQCacheConfig
 from pqcache.tools.calibrate import calibrate, fit_cluster, fit_prefill, save
-from pqcache.engine.iters import DEFAULT_ITERS, ITERS_RANGE, kmeans_iters_for, t_max
+from pqcache.engine import iters
+from pqcache.engine.iters import DEFAULT_ITERS, ITERS_RANGE, kmeans_iters_for, load_fit, t_max
 
 from .conftest import tiny_model
 
@@ -39,7 +40,7 @@ def test_auto_uses_stored_fit(tmp_path, monkeypatch):
     fit = {"prefill": {"a2": 0.0, "b2": 0.0, "c2": 1e-6}, "cluster": {"a1": 0.0, "b1": 1e-6}}
     save(fit)
     assert json.loads((tmp_path / "calibration.json").read_text())["cluster"]["b1"] == 1e-6
-    assert kmeans_iters_for("auto", 50) == 50  # T_max = c2 s^2 / (b1 s) = s
+    assert kmeans_iters_for("auto", 50, fit=load_fit()) == 50  # T_max = c2 s^2 / (b1 s) = s
     model = tiny_model("llama")
     cache = PQCache(model, PQCacheConfig(token_budget=0.2, n_init=4, bits=4, kmeans_iters="auto"))
     with torch.no_grad():
@@ -60,3 +61,27 @@ def test_calibrate_runs_on_a_model(tmp_path, monkeypatch):
     assert len(fit["points"]["prefill"]) == 3 and len(fit["points"]["cluster"]) == 6
     assert fit["cluster"]["b1"] > 0
     assert all(ITERS_RANGE[0] <= t <= ITERS_RANGE[1] for t in fit["t_max"].values())
+
+
+def test_calibration_file_read_once_per_cache(tmp_path, monkeypatch):
+    """Every full-attention layer submits its own K-Means (and turns/rebuilds submit more): the
+    calibration file is read when the cache is made, not on each submission."""
+    monkeypatch.setenv("PQCACHE_HOME", str(tmp_path))
+    save({"prefill": {"a2": 0.0, "b2": 0.0, "c2": 1e-6}, "cluster": {"a1": 0.0, "b1": 1e-6}})
+    reads = []
+    real = iters.load_fit
+    monkeypatch.setattr(iters, "load_fit", lambda: reads.append(1) or real())
+    import pqcache.engine.cache as cache_module
+
+    monkeypatch.setattr(cache_module, "load_fit", iters.load_fit)
+    model = tiny_model("llama")  # 3 full-attention layers
+    cfg = PQCacheConfig(token_budget=0.2, n_init=4, bits=4, kmeans_iters="auto", rebuild_every=2)
+    cache = PQCache(model, cfg)
+    with torch.no_grad():
+        out = model(torch.randint(1, 96, (1, 120)), cache=cache)
+        token = out.logits[:, -1:].argmax(-1)
+        for _ in range(4):  # two rebuilds per layer
+            token = model(token, cache=cache).logits[:, -1:].argmax(-1)
+    cache.wait()
+    assert sum(layer.stats["rebuilds"] for layer in cache.pq_layers) >= 3
+    assert len(reads) == 1

@@ -5,15 +5,9 @@ from transformers import DynamicCache
 
 from pqcache import PQCache, PQCacheConfig
 
-from .conftest import tiny_model
+from .conftest import greedy_generate, tiny_model
 
 FULL_BUDGET = PQCacheConfig(token_budget=1.0, n_init=4, n_local=8, kmeans_iters=5, bits=4)
-
-
-def _generate(model, ids, mask, cache, n=6):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True, cache=cache, pad_token_id=0)
-    return out.sequences, torch.stack(out.scores)
 
 
 def _batch(seed=1, lengths=(80, 57)):
@@ -32,9 +26,9 @@ def test_full_budget_equals_full_attention(arch, batch):
     model = tiny_model(arch)
     ids, mask = _batch(lengths=(80, 57)[:batch])
     with torch.no_grad():
-        ref_seq, ref_scores = _generate(model, ids, mask, DynamicCache(config=model.config))
+        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config), mask=mask)
         cache = PQCache(model, FULL_BUDGET)
-        seq, scores = _generate(model, ids, mask, cache)
+        seq, scores = greedy_generate(model, ids, cache, mask=mask)
     assert cache.pq_layers, "the model must have PQ layers"
     assert all(layer.stats["steps"] == 5 for layer in cache.pq_layers), "decode must run through the PQ path"
     torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
@@ -46,12 +40,12 @@ def test_small_budget_really_drops_tokens(arch):
     ids, mask = _batch(lengths=(200,))
     cfg = PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=5, bits=4)
     with torch.no_grad():
-        _, ref = _generate(model, ids, mask, DynamicCache(config=model.config))
+        _, ref = greedy_generate(model, ids, DynamicCache(config=model.config), mask=mask)
         cache = PQCache(model, cfg)
-        _, scores = _generate(model, ids, mask, cache)
+        _, scores = greedy_generate(model, ids, cache, mask=mask)
     layer = cache.pq_layers[0]
     top, valid = layer.last_selection
-    n_init, n_topk, n_local = cfg.split(layer.n_real[0] - 1)
+    n_init, n_topk, n_local = cfg.split(layer.window.n_real[0] - 1)
     assert valid.sum(-1).max() <= n_topk + 1
     assert top.shape[-1] < 200 // 2
     assert not torch.allclose(scores, ref, atol=1e-6), "a 1/5 budget attends to fewer tokens than full attention"
@@ -65,10 +59,10 @@ def test_batch_rows_match_rows_alone():
     ids, mask = _batch(seed=3, lengths=lengths)
     cfg = PQCacheConfig(token_budget=0.25, n_init=4, kmeans_iters=8, bits=4)
     with torch.no_grad():
-        seq, scores = _generate(model, ids, mask, PQCache(model, cfg))
+        seq, scores = greedy_generate(model, ids, PQCache(model, cfg), mask=mask)
         for b, n in enumerate(lengths):
             row_ids = ids[b:b + 1, ids.shape[1] - n:]
-            row_seq, row_scores = _generate(model, row_ids, torch.ones_like(row_ids), PQCache(model, cfg))
+            row_seq, row_scores = greedy_generate(model, row_ids, PQCache(model, cfg), mask=torch.ones_like(row_ids))
             assert torch.equal(seq[b, -6:], row_seq[0, -6:])
             torch.testing.assert_close(scores[:, b], row_scores[:, 0], rtol=1e-3, atol=1e-3)
 
@@ -125,7 +119,7 @@ def test_memory_accounting_and_tiers():
     stats = cache.stats()
     B, H, D, S = 1, 2, 16, 400
     layer = cache.pq_layers[0]
-    assert layer.codes.dtype == torch.uint8
+    assert layer.method_state["index"].codes.dtype == torch.uint8
     n_layers = len(cache.pq_layers)
     assert stats["pq_bytes"] == n_layers * B * H * (cfg.m * S + cfg.n_centroids * D * 4)
     assert stats["host_kv_bytes"] == n_layers * 2 * B * H * S * D * 4

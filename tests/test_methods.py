@@ -7,16 +7,10 @@ from pqcache import PQCache, PQCacheConfig
 from pqcache.engine.methods import METHODS, make_method
 from pqcache.engine.methods.pyramidkv import pyramid_budgets
 
-from .conftest import tiny_model
+from .conftest import greedy_generate, tiny_model
 
 ALL = list(METHODS)
 SMALL = dict(n_init=4, kmeans_iters=5, bits=4, block_size=16, block_cache_tokens=64)
-
-
-def _greedy(model, ids, cache, n=6, mask=None):
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True, cache=cache, pad_token_id=0)
-    return out.sequences, torch.stack(out.scores)
 
 
 def test_registry_names():
@@ -27,16 +21,16 @@ def test_registry_names():
 
 @pytest.mark.parametrize("method", ALL)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_full_budget_equals_full_attention(method, arch):
+def test_every_method_at_full_budget_equals_full_attention(method, arch):
     model = tiny_model(arch)
     ids = torch.randint(1, 96, (2, 150), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)
     mask[1, :30] = 0
     ids[1, :30] = 0
     with torch.no_grad():
-        _, ref = _greedy(model, ids, DynamicCache(config=model.config), mask=mask)
+        _, ref = greedy_generate(model, ids, DynamicCache(config=model.config), mask=mask)
         cache = PQCache(model, PQCacheConfig(token_budget=1.0, **SMALL), method=method)
-        _, scores = _greedy(model, ids, cache, mask=mask)
+        _, scores = greedy_generate(model, ids, cache, mask=mask)
     torch.testing.assert_close(scores, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -107,13 +101,13 @@ def test_streaming_keeps_sinks_and_recent_only():
     ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(5))
     cfg = PQCacheConfig(token_budget=0.2, **{**SMALL, "n_init": 32})
     cache, layer = _one_step("streaming", ids, cfg)
-    assert layer.n_init == 4  # StreamingLLM's 4 sinks, whatever n_init says
+    assert layer.window.n_init == 4  # StreamingLLM's 4 sinks, whatever n_init says
     S = 400
     budget = cfg.budget_tokens(S)
     for sel in _selected(layer):  # the selection continues the window: the newest candidates
-        window_start = S - layer.n_local[0]
+        window_start = S - layer.window.n_local[0]
         assert sel == set(range(window_start - len(sel), window_start))
-        assert 4 + len(sel) + layer.n_local[0] == budget
+        assert 4 + len(sel) + layer.window.n_local[0] == budget
 
 
 def _prefilled(method, seed, n=300):
@@ -138,7 +132,7 @@ def test_snapkv_keeps_what_the_window_attends_to_and_freezes():
             steps.append(_selected(layer))
     first = steps[0]
     assert first == expected
-    window_start = 300 - layer.n_local[0]  # the prompt's observation window stays kept as well
+    window_start = 300 - layer.window.n_local[0]  # the prompt's observation window stays kept as well
     for later in steps[1:]:  # frozen: the prompt part never changes; new tokens only add
         assert all(f <= s and all(p >= window_start or p in f for p in s) for f, s in zip(first, later))
 
@@ -171,7 +165,7 @@ def test_h2o_accumulates_scores_and_evicts_for_good():
             sels.append(_selected(layer))
         acc = layer.method_state["acc"]
     assert (acc[..., :300] >= acc0 - 1e-6).all() and acc.sum() > acc0.sum()  # accumulated over steps
-    assert layer.n_init == 0
+    assert layer.window.n_init == 0
     kept = layer.method_state["kept"]
     evicted = (~kept[..., :300]).sum().item()
     assert evicted > 0
@@ -193,7 +187,7 @@ def test_infllm_picks_blocks_by_representative_keys():
     method = make_method("infllm", block_size=bs, n_rep=2)
     layer.method = method
     queries = q.expand(1, 1, 320, D)  # the blocks' own queries
-    method.on_prefill(layer, queries, 1.0)
+    method.on_prefill(layer.view(), queries, 1.0)
     top, valid = layer.select(q, 1.0)
     sel = set(top[0, 0][valid[0, 0]].tolist())
     assert set(range(5 * bs, 6 * bs)) <= sel  # the whole block with the matching representative
@@ -223,3 +217,45 @@ def test_selected_positions_reach_instrumentation():
     positions = step["positions"][0][0]
     assert positions[:4] == [0, 1, 2, 3] and positions[-1] == 200  # sinks ... the new token
     assert len(positions) == PQCacheConfig(token_budget=0.2, **SMALL).budget_tokens(200) + 1
+
+
+def test_infllm_scores_the_block_that_straddles_the_window():
+    """The last complete block reaches into the local window: its older positions are candidates,
+    its newest are not. It must still be scored (and win here), not count as empty."""
+    from pqcache.tools.bench import filled_layer
+
+    g = torch.Generator().manual_seed(9)
+    D, bs = 16, 16
+    keys = torch.randn(1, 1, 320, D, generator=g) * 0.1
+    q = torch.randn(1, 1, 1, D, generator=g)
+    keys[0, 0, 19 * bs + 2] = 5 * q[0, 0, 0]  # block 19 = 304..319; the window is 312..319
+    cfg = PQCacheConfig(token_budget=40, n_init=4, n_local=8, bits=4, block_cache_tokens=0)
+    layer = filled_layer(keys, torch.randn_like(keys), cfg)
+    method = make_method("infllm", block_size=bs, n_rep=2)
+    layer.method = method
+    method.on_prefill(layer.view(), q.expand(1, 1, 320, D), 1.0)
+    assert not layer.candidates()[0, 319] and layer.candidates()[0, 306]
+    top, valid = layer.select(q, 1.0)
+    assert set(range(19 * bs, 19 * bs + 8)) <= set(top[0, 0][valid[0, 0]].tolist())
+
+
+def test_fork_shares_the_document_instead_of_copying_it():
+    """A fork reads the parent's host tier in place and stores only the tokens it appends; the
+    parent's tokens are unchanged by what the fork decodes."""
+    model = tiny_model("llama")
+    base = PQCache(model, PQCacheConfig(token_budget=0.2, **SMALL), keep_queries=True)
+    with torch.no_grad():
+        model(torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(10)), cache=base)
+        before = base.pq_layers[0].host.keys(0, 300).clone()
+        fork = base.fork("pqcache")
+        parent, child = base.pq_layers[0].host, fork.pq_layers[0].host
+        assert child.shared_k.data_ptr() == parent.own_k.data_ptr() and child.own_bytes == 0
+        tok = torch.tensor([[5]])
+        for _ in range(3):
+            tok = model(tok, cache=fork).logits[:, -1:].argmax(-1)
+    assert child.S == 303 and parent.S == 300
+    assert child.own_bytes == 2 * 1 * 2 * 3 * 16 * 4  # K and V of 3 tokens, 2 KV heads, head_dim 16, fp32
+    assert torch.equal(parent.keys(0, 300), before)
+    assert torch.equal(child.keys(0, 300), before)  # read across the shared and own parts
+    stats = fork.stats()
+    assert stats["host_kv_bytes"] == base.stats()["host_kv_bytes"] * 303 // 300  # what the fork reads

@@ -107,3 +107,26 @@ def test_budget_split():
     assert sum(cfg.split(1000)) == 200
     assert PQCacheConfig(token_budget=512, n_init=4, n_local=100).split(10_000) == (4, 408, 100)
     assert PQCacheConfig(token_budget=1.0, n_init=4, n_local=8).split(50) == (4, 38, 8)
+
+
+@pytest.mark.parametrize("on_failure", ["raise", "exact"])
+def test_failed_build_in_a_hand_filled_layer_reports_the_real_error(monkeypatch, on_failure):
+    """Benchmarks and the recall study fill layers by hand with an inline executor: a build that
+    fails there goes through the same fault path as in a cache (the executor is shut down), and
+    the error named is the build's own."""
+    from pqcache.engine.errors import PQBuildError
+
+    def broken(*args, **kwargs):
+        raise ValueError("k-means exploded")
+
+    monkeypatch.setattr(pq, "train_centroids", broken)
+    keys = torch.randn(1, 1, 200, 16, generator=torch.Generator().manual_seed(1))
+    cfg = PQCacheConfig(token_budget=40, n_init=4, n_local=8, bits=4, block_cache_tokens=0, on_pq_failure=on_failure)
+    if on_failure == "raise":
+        with pytest.raises(PQBuildError, match="k-means exploded"):
+            filled_layer(keys, keys, cfg)
+        return
+    layer = filled_layer(keys, keys, cfg)
+    assert "k-means exploded" in layer.fallback and layer.method.name == "full"
+    top, valid = layer.select(keys[:, :, :1], 1.0)
+    assert int(valid.sum()) == 200 - 4 - 8  # exact: every middle token

@@ -8,17 +8,11 @@ from transformers import DynamicCache
 from pqcache import PQCache, PQCacheConfig
 from pqcache.engine import pq
 from pqcache.engine.layer.blockcache import BlockCache
-from pqcache.engine.instrument import Instrumentation
+from pqcache.engine.layer.host import HostTier
 
-from .conftest import tiny_model
+from .conftest import greedy_generate, tiny_model
 
 SMALL = dict(n_init=4, kmeans_iters=5, bits=4, block_size=16, block_cache_tokens=64, block_admit=2)
-
-
-def _greedy(model, ids, cache, n=8):
-    out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, output_scores=True,
-                         return_dict_in_generate=True, cache=cache, pad_token_id=0)
-    return out.sequences, torch.stack(out.scores)
 
 
 def test_instrumentation_leaves_outputs_unchanged():
@@ -26,10 +20,10 @@ def test_instrumentation_leaves_outputs_unchanged():
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(0))
     cfg = PQCacheConfig(token_budget=0.2, **SMALL)
     with torch.no_grad():
-        seq_off, scores_off = _greedy(model, ids, PQCache(model, cfg))
+        seq_off, scores_off = greedy_generate(model, ids, PQCache(model, cfg), n=8)
         cache = PQCache(model, cfg)
         obs = cache.instrument(attention_every=1, recall_every=1)
-        seq_on, scores_on = _greedy(model, ids, cache)
+        seq_on, scores_on = greedy_generate(model, ids, cache, n=8)
     assert torch.equal(seq_on, seq_off)
     assert torch.equal(scores_on, scores_off)
     data = obs.to_dict()
@@ -59,10 +53,10 @@ def test_recall_and_attention_records():
     with torch.no_grad():
         full = PQCache(model, PQCacheConfig(token_budget=1.0, **SMALL))
         obs_full = full.instrument(attention_every=2, recall_every=2)
-        _greedy(model, ids, full, n=5)
+        greedy_generate(model, ids, full, n=5)
         small = PQCache(model, PQCacheConfig(token_budget=0.1, **SMALL))
         obs_small = small.instrument(recall_every=1)
-        _greedy(model, ids, small, n=5)
+        greedy_generate(model, ids, small, n=5)
     for rec in obs_full.recall:  # the whole context is attended: recall and mass are 1
         assert rec["topk_recall"] == pytest.approx([1.0] * 2)
         assert rec["mass_recall"] == pytest.approx([1.0] * 2, abs=1e-5)
@@ -100,10 +94,12 @@ def _cache(policy, n_slots=2, bs=4):
 
 
 def _retrieve(bc, k_host, v_host, blocks, bs=4):
+    host = HostTier(1, 1, 2, torch.float32, torch.device("cpu"))
+    host.append(k_host, v_host)
     top = torch.tensor([[[b * bs + i for b in blocks for i in range(bs)]]])
     valid = torch.ones_like(top, dtype=torch.bool)
     slot = bc.lookup(top)
-    bc.admit(top, valid, k_host, v_host, n_complete_tokens=k_host.shape[2])
+    bc.admit(top, valid, host, n_complete_tokens=k_host.shape[2])
     return (slot >= 0).sum().item()
 
 
@@ -129,14 +125,14 @@ def test_block_cache_serves_hits_with_the_right_data():
     cfg_on = PQCacheConfig(token_budget=0.2, **SMALL)
     cfg_off = PQCacheConfig(token_budget=0.2, **{**SMALL, "block_cache_tokens": 0})
     with torch.no_grad():
-        seq_on, scores_on = _greedy(model, ids, cache_on := PQCache(model, cfg_on), n=10)
-        seq_off, scores_off = _greedy(model, ids, PQCache(model, cfg_off), n=10)
+        seq_on, scores_on = greedy_generate(model, ids, cache_on := PQCache(model, cfg_on), n=10)
+        seq_off, scores_off = greedy_generate(model, ids, PQCache(model, cfg_off), n=10)
     assert torch.equal(seq_on, seq_off)
     torch.testing.assert_close(scores_on, scores_off, rtol=0, atol=0)  # hits carry the same K/V
     layer = cache_on.pq_layers[0]
     assert layer.stats["hits"] > 0 and layer.stats["misses"] > 0
     top, valid = layer.last_selection
-    assert layer.blocks.n_slots == 4
+    assert layer.window.blocks.n_slots == 4
 
 
 def test_rebuild_every_n_tokens():
@@ -144,16 +140,17 @@ def test_rebuild_every_n_tokens():
     ids = torch.randint(1, 96, (1, 200), generator=torch.Generator().manual_seed(4))
     cfg = PQCacheConfig(token_budget=1.0, n_local=8, rebuild_every=4, **SMALL)
     with torch.no_grad():
-        ref_seq, ref_scores = _greedy(model, ids, DynamicCache(config=model.config), n=12)
+        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config), n=12)
         cache = PQCache(model, cfg)
-        seq, scores = _greedy(model, ids, cache, n=12)
+        seq, scores = greedy_generate(model, ids, cache, n=12)
     cache.wait()
     layer = cache.pq_layers[0]
     assert layer.stats["rebuilds"] >= 2
-    assert len(layer.segments) == 1
+    index = layer.method_state["index"]
+    assert len(index.segments) == 1
     S = layer.S
-    codes = pq.encode(layer.k_host[:, :, :S], layer.segments[0][1], "l2")
-    assert torch.equal(layer.codes[..., :S], codes)  # every token coded by the rebuilt centroids
+    codes = pq.encode(layer.host.keys(0, S), index.segments[0][1], "l2")
+    assert torch.equal(index.codes[..., :S], codes)  # every token coded by the rebuilt centroids
     torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)  # still exact at full budget
 
 
@@ -168,10 +165,11 @@ def test_new_turn_gets_its_own_codebook():
         cache.wait()
         model(torch.tensor([[7]]), cache=cache)
     layer = cache.pq_layers[0]
-    assert [start for start, _ in layer.segments] == [0, 300]
+    index = layer.method_state["index"]
+    assert [start for start, _ in index.segments] == [0, 300]
     assert layer.stats["turn_segments"] == 1
-    seg_codes = pq.encode(layer.k_host[:, :, 300:340], layer.segments[1][1], "l2")
-    assert torch.equal(layer.codes[..., 300:340], seg_codes)
+    seg_codes = pq.encode(layer.host.keys(300, 340), index.segments[1][1], "l2")
+    assert torch.equal(index.codes[..., 300:340], seg_codes)
     assert layer.S == 341
 
 
@@ -179,7 +177,7 @@ def test_pq_ready_flag_and_iterations_in_stats():
     model = tiny_model("llama")
     cache = PQCache(model, PQCacheConfig(token_budget=0.2, **SMALL))
     with torch.no_grad():
-        _greedy(model, torch.randint(1, 96, (1, 120)), cache, n=3)
+        greedy_generate(model, torch.randint(1, 96, (1, 120)), cache, n=3)
     stats = cache.stats()
     assert stats["kmeans_iters"] == 5
     for row in stats["layers"]:
@@ -203,8 +201,8 @@ def test_device_map_places_tiers_on_each_layers_device(tmp_path):
     loaded, _ = load_model(str(tmp_path), device_map=device_map)
     cache = PQCache(loaded, PQCacheConfig(token_budget=0.2, **SMALL))
     with torch.no_grad():
-        _greedy(loaded, torch.randint(1, 96, (1, 100)), cache, n=2)
+        greedy_generate(loaded, torch.randint(1, 96, (1, 100)), cache, n=2)
     for layer in cache.pq_layers:
         param_device = next(loaded.model.layers[layer.layer_idx].parameters()).device
-        assert layer.device == param_device == layer.dev_k.device == layer.codes.device
-        assert layer.k_host.device.type == "cpu"
+        assert layer.device == param_device == layer.window.k.device == layer.method_state["index"].codes.device
+        assert layer.host.own_k.device.type == "cpu"

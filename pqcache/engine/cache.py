@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from functools import partial
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -20,7 +21,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.instrument import Instrumentation
 from pqcache.engine.methods import Method, make_method
-from pqcache.engine.iters import kmeans_iters_for
+from pqcache.engine.iters import kmeans_iters_for, load_fit
+from pqcache.engine.shapes import head_dim_of
 from pqcache.engine.layer.layer import PQLayer
 
 ATTN_NAME = "pqcache"
@@ -88,10 +90,10 @@ class PQCache(Cache):
         self.method = make_method(method)
         model_config = getattr(model, "config", model)
         text_config = model_config.get_text_config(decoder=True)
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        self.pq_config.check_head_dim(head_dim)
+        self.pq_config.check_head_dim(head_dim_of(text_config))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans")
-        iters_for = lambda s: kmeans_iters_for(self.pq_config.kmeans_iters, s)  # noqa: E731
+        fit = load_fit() if self.pq_config.kmeans_iters == "auto" else None  # read once per cache
+        iters_for = partial(kmeans_iters_for, self.pq_config.kmeans_iters, fit=fit)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
         n_full = layer_types.count("full_attention")
         layers = []
@@ -180,7 +182,8 @@ class PQCache(Cache):
         total["layers"] = [
             {"layer": layer.layer_idx, **{k: v for k, v in layer.stats.items()}} for layer in self.pq_layers
         ]
-        iters = [layer.stats["kmeans_iters"] for layer in self.pq_layers if layer.stats["kmeans_iters"] is not None]
+        iters = [layer.stats.get("kmeans_iters") for layer in self.pq_layers]
+        iters = [i for i in iters if i is not None]
         total["kmeans_iters"] = max(iters) if iters else None
         total["notices"] = [layer.fallback for layer in self.pq_layers if layer.fallback]
         return total
@@ -205,5 +208,5 @@ class PQCache(Cache):
         stops at its next head; returns without waiting for it (a hung worker cannot block close)."""
         self.instrument(None)
         for layer in self.pq_layers:
-            layer.closed = True
+            layer.closed.set()
         self.executor.shutdown(wait=False, cancel_futures=True)

@@ -36,8 +36,9 @@ def t_max(s: int, fit: dict) -> int:
     return int(min(max(t, lo), hi))
 
 
-def kmeans_iters_for(setting, s: int) -> int:
+def kmeans_iters_for(setting, s: int, fit: dict | None = None) -> int:
+    """Iterations for s tokens: the fixed setting, or "auto" from a calibration fit (a cache reads
+    the file once and passes it as `fit`; without one, DEFAULT_ITERS)."""
     if setting != "auto":
         return int(setting)
-    fit = load_fit()
     return t_max(s, fit) if fit else DEFAULT_ITERS

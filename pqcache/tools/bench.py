@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import statistics
 import time
+from concurrent.futures import Future
 
 import torch
 import torch.nn.functional as F
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.layer.layer import PQLayer
+from pqcache.engine.shapes import head_dim_of
 
 
 def _median_ms(fn, repeats: int, sync=None) -> float:
@@ -22,20 +24,30 @@ def _median_ms(fn, repeats: int, sync=None) -> float:
     return statistics.median(times)
 
 
-class _InlineExecutor:
-    """Runs the PQ build in the caller: the benchmark times decode steps, not the build."""
+class InlineExecutor:
+    """Runs a PQ build in the caller (benchmarks time decode steps, not the build). A fault in a
+    build shuts the executor down, as it does the cache's thread pool: later submits raise."""
+
+    def __init__(self):
+        self.is_shutdown = False
 
     def submit(self, fn, *args):
-        from concurrent.futures import Future
-
+        if self.is_shutdown:
+            raise RuntimeError("cannot schedule new futures after shutdown")
         fut = Future()
-        fut.set_result(fn(*args))
+        try:
+            fut.set_result(fn(*args))
+        except Exception as exc:  # the build's own error reaches the layer through the future
+            fut.set_exception(exc)
         return fut
 
+    def shutdown(self, wait: bool = True, cancel_futures: bool = False):
+        self.is_shutdown = True
 
-def filled_layer(keys, values, config: PQCacheConfig, iters: int = 10) -> PQLayer:
+
+def filled_layer(keys, values, config: PQCacheConfig, iters: int = 10, method=None) -> PQLayer:
     """A PQLayer prefilled with keys/values (B, H, S, D) (on the compute device), PQ built."""
-    layer = PQLayer(config, 0, _InlineExecutor(), lambda s: iters)
+    layer = PQLayer(config, 0, InlineExecutor(), lambda s: iters, method)
     layer.update(keys, values)
     layer.finish_prefill(torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device))
     layer.wait_pq()
@@ -171,7 +183,7 @@ def bench_memory(seq_lens=(16384,), budgets=(0.2, 0.1), models=("gemma3-270m", "
     for name in models:
         mconf, dtype = _config_for(name)
         text = mconf.get_text_config(decoder=True)
-        H, D = text.num_key_value_heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+        H, D = text.num_key_value_heads, head_dim_of(text)
         for s in seq_lens:
             k = torch.randn(1, H, s, D, dtype=dtype)
             full = DynamicCache(config=mconf)

@@ -66,7 +66,7 @@ def calibrate(model, tokenizer, seq_lens=(512, 1024, 2048, 4096), iters=(5, 20),
         for T in iters:  # the real build on the real keys, timed alone
             t0 = time.perf_counter()
             for layer in cache.pq_layers:
-                layer._build(0, layer.S, T, "calibrate")
+                layer.method_state["index"].build(0, layer.S, T, "calibrate")
             cluster_pts.append((s, T, time.perf_counter() - t0))
         cache.close()
         progress(f"s={s}: prefill {prefill_pts[-1][1]:.3f} s, clustering "

@@ -53,7 +53,7 @@ class BlockCache:
         flat = ((bh * self.n_slots + slot.clamp(min=0)) * self.bs + top % self.bs).reshape(-1)[rows]
         return self.k.view(-1, self.D)[flat], self.v.view(-1, self.D)[flat]
 
-    def admit(self, top, valid, k_host, v_host, n_complete_tokens: int) -> int:
+    def admit(self, top, valid, host, n_complete_tokens: int) -> int:
         """Update use stats and admit the top blocks of this retrieval. Returns tokens copied in."""
         self.step += 1
         B, H, _ = top.shape
@@ -97,11 +97,9 @@ class BlockCache:
         b_i, h_i, j_i = do.nonzero(as_tuple=True)
         if b_i.numel():
             pos = cand_blk[b_i, h_i, j_i].cpu()[:, None] * self.bs + torch.arange(self.bs)  # (n, bs)
-            bh = (b_i.cpu() * H + h_i.cpu())[:, None]
-            cap = k_host.shape[2]
-            flat = (bh * cap + pos).reshape(-1)
-            kk = k_host.view(-1, self.D).index_select(0, flat).view(-1, self.bs, self.D)
-            vv = v_host.view(-1, self.D).index_select(0, flat).view(-1, self.bs, self.D)
+            bh = (b_i.cpu() * H + h_i.cpu())[:, None].expand(-1, self.bs).reshape(-1)
+            kk, vv = host.rows(bh, pos.reshape(-1))  # (n * bs, D) each
+            kk, vv = kk.view(-1, self.bs, self.D), vv.view(-1, self.bs, self.D)
             s_i = victims[b_i, h_i, j_i]
             self.k[b_i, h_i, s_i] = kk.to(self.device, non_blocking=True)
             self.v[b_i, h_i, s_i] = vv.to(self.device, non_blocking=True)

@@ -2,9 +2,16 @@
 
 A method decides, at each decode step (or chunk) of a full-attention layer, which middle tokens of
 the host tier are attended besides the sinks, the local window and the new tokens. The layer owns
-the tiers and the attention; a method only scores and picks (kvpress style: one small dataclass per
-method). Shapes: B rows, H KV heads, S positions, R query rows per KV head (GQA group x chunk).
+the tiers and the attention; a method sees a read-only view of the layer (layer/view.py) and only
+scores and picks (kvpress style: one small dataclass per method):
+
+  - score-based methods (oracle, sparq, pqcache) subclass ScoreMethod and return per-token scores;
+    one shared top-k (`select_top`) turns them into positions;
+  - rule-based methods (full, streaming, h2o, snapkv, pyramidkv, infllm) implement `select`.
+
+Shapes: B rows, H KV heads, S positions, R query rows per KV head (GQA group x chunk).
 """
+
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
@@ -17,24 +24,58 @@ import torch
 @dataclass
 class Method(ABC):
     name: ClassVar[str] = ""
-    needs_pq: ClassVar[bool] = False  # builds PQ codebooks in the background
     observes: ClassVar[bool] = False  # wants each step's attention probabilities (H2O)
     needs_prefill_queries: ClassVar[bool] = False  # computes statistics from the prefill queries
+    cache_policy: ClassVar[str | None] = None  # block-cache eviction it runs with (None: the config's)
 
-    def split(self, config, n_real: int, layer) -> tuple[int, int, int]:
+    def split(self, config, n_real: int, view) -> tuple[int, int, int]:
         """(n_init, n_topk, n_local) for a row with n_real tokens; the budget's meaning is shared."""
         return config.split(n_real)
 
-    def on_prefill(self, layer, query: torch.Tensor | None, scaling: float) -> None:
-        """query (B, Hq, S, D): the prefill queries (only when needs_prefill_queries)."""
+    def on_prefill(self, view, query: torch.Tensor | None, scaling: float) -> None:
+        """After the prefill. query (B, Hq, S, D): the prefill queries (only when needs_prefill_queries)."""
+
+    def on_fork(self, view, parent_state: dict, query: torch.Tensor | None, scaling: float) -> None:
+        """A fork of a prefilled layer starts with this method; parent_state is the parent method's."""
+        self.on_prefill(view, query, scaling)
+
+    def prepare(self, view, block: bool = False, stop=None) -> None:
+        """Before a step (block=False) or when the cache waits for background work (block=True)."""
+
+    def on_append(self, view, start: int, k_new: torch.Tensor) -> None:
+        """Tokens k_new (B, H, Q, D) were just stored at positions start..start+Q-1."""
 
     @abstractmethod
-    def select(self, layer, q: torch.Tensor, cand: torch.Tensor, ks: list[int], k_max: int):
-        """q (B, H, R, D) scaled queries, cand (B, S) candidate middle tokens, ks per-row counts
-        -> positions (B, H, k) and validity (B, H, k)."""
+    def select(self, view, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q (B, H, R, D) scaled queries -> positions (B, H, k) among view.candidates, and validity."""
 
-    def observe(self, layer, probs: torch.Tensor, positions: torch.Tensor) -> None:
+    def observe(self, view, probs: torch.Tensor, positions: torch.Tensor) -> None:
         """probs (B, H, R, N) of the step over the attended tokens at positions (B, H, N)."""
+
+    def stats(self, view) -> dict:
+        """Figures of the method's own work on this layer (PQ builds)."""
+        return {}
+
+    def device_bytes(self, view) -> int:
+        """Device bytes of the method's own state on this layer (PQ codes and centroids)."""
+        return 0
+
+
+@dataclass
+class ScoreMethod(Method):
+    """A method that scores every stored token; the shared top-k picks the best candidates."""
+
+    @abstractmethod
+    def score(self, view, q: torch.Tensor) -> torch.Tensor:
+        """q (B, H, R, D) scaled -> scores (B, H, S, R), one per token and query row."""
+
+    def select(self, view, q):
+        return select_top(self.score(view, q), view.candidates, view.ks, view.k_max, view.config.gqa_combine)
+
+
+def exact_scores(view, q: torch.Tensor) -> torch.Tensor:
+    """q (B, H, R, D) scaled -> exact q.k (B, H, S, R) over every stored token (float32)."""
+    return view.keys() @ q.float().transpose(-1, -2)
 
 
 def combine_rows(scores: torch.Tensor, cand: torch.Tensor, mode: str) -> torch.Tensor:
@@ -46,13 +87,6 @@ def combine_rows(scores: torch.Tensor, cand: torch.Tensor, mode: str) -> torch.T
     else:
         scores = scores.sum(-1)
     return scores.masked_fill_(~cand[:, None, :], float("-inf"))
-
-
-def exact_scores(layer, q: torch.Tensor) -> torch.Tensor:
-    """q (B, H, R, D) scaled -> exact q.k (B, H, S, R) over every stored token (float32)."""
-    layer._sync_host()
-    keys = layer.k_host[:, :, : layer.S].to(layer.device, torch.float32)
-    return keys @ q.float().transpose(-1, -2)
 
 
 def topk_positions(scores: torch.Tensor, ks: list[int], k_max: int):

@@ -1,14 +1,15 @@
 """Oracle top-k: the exact scores of the current query, PQCache's budget (its upper bound)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pqcache.engine.methods.base import Method, exact_scores, select_top
+from pqcache.engine.methods.base import ScoreMethod, exact_scores
 
 
 @dataclass
-class Oracle(Method):
+class Oracle(ScoreMethod):
     name = "oracle"
 
-    def select(self, layer, q, cand, ks, k_max):
-        return select_top(exact_scores(layer, q), cand, ks, k_max, layer.config.gqa_combine)
+    def score(self, view, q):
+        return exact_scores(view, q)

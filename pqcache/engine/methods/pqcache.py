@@ -1,4 +1,10 @@
-"""PQCache (Zhang et al., SIGMOD 2025): approximate scores from product-quantized keys, top-k."""
+"""PQCache (Zhang et al., SIGMOD 2025): approximate scores from product-quantized keys, top-k.
+
+The method owns each layer's PQ index (layer/index.py): it starts the prefill's K-Means in the
+background, installs builds between steps, codes appended tokens, and decides what a failed build
+means (`on_pq_failure`: exact attention for that layer from then on, or PQBuildError).
+"""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,35 +12,75 @@ from dataclasses import dataclass
 import torch
 
 from pqcache.engine import pq
-from pqcache.engine.methods.base import Method, positions_of, select_top
+from pqcache.engine.errors import PQBuildError
+from pqcache.engine.layer.index import BuildFault, PQIndex
+from pqcache.engine.methods.base import ScoreMethod, positions_of
 
 
 @dataclass
-class PQCacheMethod(Method):
+class PQCacheMethod(ScoreMethod):
     name = "pqcache"
-    needs_pq = True
 
-    def select(self, layer, q, cand, ks, k_max):
-        mode = layer.config.gqa_combine
-        if layer.use_tuples and layer.S >= 2 * layer.n_tuples:  # below that, per-tuple work costs more than it saves
-            return select_by_tuples(layer, q, cand, ks, k_max, mode)
-        return select_top(approx_scores(layer, q), cand, ks, k_max, mode)
+    def on_prefill(self, view, query, scaling):
+        index = view.state["index"] = PQIndex(view.host, view.config, view.executor, view.iters_for, view.closed,
+                                              view.span)
+        n_real = int(view.valid.sum(1).max())
+        index.submit(0, view.S, kind="prefill", iters=view.iters_for(n_real))
+
+    def on_fork(self, view, parent_state, query, scaling):
+        parent = parent_state.get("index")
+        if parent is not None:  # the parent's codebooks and codes serve the fork
+            view.state["index"] = parent.fork(view.host, view.executor, view.closed, view.span)
+        elif view.fallback:  # the parent's build failed: stay exact, keep the notice
+            view.fall_back(view.fallback)
+        else:
+            self.on_prefill(view, query, scaling)
+
+    def prepare(self, view, block=False, stop=None):
+        index: PQIndex = view.state["index"]
+        try:
+            index.poll(block=block or not index.segments, stop=stop)  # the first use waits for the prefill's
+        except BuildFault as fault:
+            view.executor.shutdown(wait=False, cancel_futures=True)  # the cache's other builds stop too
+            reason = f"PQ clustering of layer {view.layer_idx} failed ({fault})"
+            if view.config.on_pq_failure == "raise":
+                raise PQBuildError(reason) from fault.__cause__
+            view.fall_back(reason)
+
+    def on_append(self, view, start, k_new):
+        view.state["index"].append(start, k_new)
+
+    def score(self, view, q):
+        return approx_scores(view.state["index"], q)
+
+    def select(self, view, q):
+        index: PQIndex = view.state["index"]
+        if index.use_tuples and view.S >= 2 * index.n_tuples:  # below that, per-tuple work costs more than it saves
+            return select_by_tuples(index, q, view.candidates, view.ks, view.k_max, view.config.gqa_combine)
+        return super().select(view, q)
+
+    def stats(self, view):
+        index = view.state.get("index")
+        return {} if index is None else dict(index.stats)
+
+    def device_bytes(self, view):
+        index = view.state.get("index")
+        return 0 if index is None else index.nbytes
 
 
-def approx_scores(layer, q: torch.Tensor) -> torch.Tensor:
+def approx_scores(index: PQIndex, q: torch.Tensor) -> torch.Tensor:
     """q (B, H, R, D), already scaled -> approximate scores (B, H, S, R), segment by segment."""
-    S = layer.S
-    if len(layer.segments) == 1:
-        return pq.approx_scores(pq.lookup_tables(q, layer.segments[0][1]), layer.codes[..., :S])
-    out = torch.empty((layer.B, layer.H, S, q.shape[2]), dtype=torch.float32, device=layer.device)
-    bounds = [s for s, _ in layer.segments[1:]] + [S]
-    for (start, cents), end in zip(layer.segments, bounds):
-        out[:, :, start:end] = pq.approx_scores(pq.lookup_tables(q, cents), layer.codes[..., start:end])
+    S, segments, codes = index.host.S, index.segments, index.codes
+    if len(segments) == 1:
+        return pq.approx_scores(pq.lookup_tables(q, segments[0][1]), codes[..., :S])
+    out = torch.empty((index.host.B, index.host.H, S, q.shape[2]), dtype=torch.float32, device=index.device)
+    bounds = [s for s, _ in segments[1:]] + [S]
+    for (start, cents), end in zip(segments, bounds, strict=True):
+        out[:, :, start:end] = pq.approx_scores(pq.lookup_tables(q, cents), codes[..., start:end])
     return out
 
 
-
-def select_by_tuples(layer, q: torch.Tensor, cand: torch.Tensor, ks: list[int], k_max: int, mode: str):
+def select_by_tuples(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], k_max: int, mode: str):
     """PQ search when the code space is small (C^m <= 2^16): a token's approximate score depends
     only on its code tuple, so everything is computed per tuple, and the tokens are read only
     to count tuples (histogram), look their tuple's score up, and compare with a threshold.
@@ -45,17 +91,17 @@ def select_by_tuples(layer, q: torch.Tensor, cand: torch.Tensor, ks: list[int], 
     which equals the per-token softmax over the candidates followed by the sum over rows. The
     threshold is the score of the tuple where the cumulative count reaches k; ties at it go to
     the earliest positions (the same rule as topk_positions)."""
-    B, H, S, P = layer.B, layer.H, layer.S, layer.n_tuples
-    bounds = [start for start, _ in layer.segments[1:]] + [S]
+    B, H, S, P = index.host.B, index.host.H, index.host.S, index.n_tuples
+    bounds = [start for start, _ in index.segments[1:]] + [S]
     sink = B * H * P
     tup, hist = [], []
-    for (start, cents), end in zip(layer.segments, bounds):
+    for (start, cents), end in zip(index.segments, bounds):
         tables = pq.lookup_tables(q, cents)  # (B, H, m, C, R)
         t = tables[:, :, 0]
         for j in range(1, tables.shape[2]):  # scores of all code tuples: (B, H, C^m, R)
             t = (t[:, :, :, None, :] + tables[:, :, j][:, :, None, :, :]).flatten(2, 3)
         tup.append(t)
-        idx = torch.where(cand[:, None, start:end], layer.joint[..., start:end], sink)
+        idx = torch.where(cand[:, None, start:end], index.joint[..., start:end], sink)
         hist.append(torch.bincount(idx.reshape(-1), minlength=sink + 1)[:sink].view(B, H, P))
     tup, hist = torch.stack(tup, 2), torch.stack(hist, 2)  # (B, H, n_seg, P, R), (B, H, n_seg, P)
     present = hist > 0
@@ -71,14 +117,14 @@ def select_by_tuples(layer, q: torch.Tensor, cand: torch.Tensor, ks: list[int], 
     # every present tuple holds >= 1 token, so the threshold tuple is among the k best tuples
     order = vals.topk(min(k_max, vals.shape[-1]), dim=-1, sorted=True).indices
     cum = hist.flatten(2).gather(-1, order).cumsum(-1)
-    kt = torch.tensor(ks, device=layer.device).view(B, 1, 1).expand(B, H, 1).contiguous()
+    kt = torch.tensor(ks, device=index.device).view(B, 1, 1).expand(B, H, 1).contiguous()
     at = torch.searchsorted(cum, kt).clamp(max=cum.shape[-1] - 1)
     thresh = vals.gather(-1, order.gather(-1, at))  # (B, H, 1)
     thresh = torch.where(cum[..., -1:] <= kt, torch.full_like(thresh, float("-inf")), thresh)
 
-    scores = torch.empty((B, H, S), dtype=comb.dtype, device=layer.device)
-    for i, ((start, _), end) in enumerate(zip(layer.segments, bounds)):
-        joint = layer.joint[..., start:end]
+    scores = torch.empty((B, H, S), dtype=comb.dtype, device=index.device)
+    for i, ((start, _), end) in enumerate(zip(index.segments, bounds)):
+        joint = index.joint[..., start:end]
         scores[..., start:end] = comb[:, :, i].reshape(-1).index_select(0, joint.reshape(-1)).view(joint.shape)
     scores.masked_fill_(~cand[:, None, :], float("-inf"))
     chosen = scores > thresh
@@ -88,7 +134,7 @@ def select_by_tuples(layer, q: torch.Tensor, cand: torch.Tensor, ks: list[int], 
     if tied.numel():
         group = tied[:, 0] * H + tied[:, 1]
         sizes = torch.bincount(group, minlength=B * H)
-        rank = torch.arange(group.numel(), device=layer.device) - (sizes.cumsum(0) - sizes)[group]
+        rank = torch.arange(group.numel(), device=index.device) - (sizes.cumsum(0) - sizes)[group]
         keep = tied[rank < need[group]]
         chosen[keep[:, 0], keep[:, 1], keep[:, 2]] = True
     return positions_of(chosen)

@@ -33,7 +33,7 @@ class PyramidKV(SnapKV):
     name = "pyramidkv"
     beta: float = 20.0
 
-    def split(self, config, n_real, layer):
+    def split(self, config, n_real, view):
         n_init, k, n_local = config.split(n_real)
         cap = max(0, n_real - n_init - n_local)
-        return n_init, pyramid_budgets(k, layer.n_depth, self.beta, cap)[layer.depth], n_local
+        return n_init, pyramid_budgets(k, view.n_depth, self.beta, cap)[view.depth], n_local

@@ -12,17 +12,17 @@ import torch.nn.functional as F
 from pqcache.engine.methods.base import Method, positions_of, topk_positions
 
 
-def observation_scores(layer, query, scaling: float, window: int, kernel: int, pooling: str) -> torch.Tensor:
+def observation_scores(view, query, scaling: float, window: int, kernel: int, pooling: str) -> torch.Tensor:
     """Pooled attention from the last `window` prefill queries -> (B, H, S_prefill)."""
     B, Hq, S, D = query.shape
-    H, G = layer.H, Hq // layer.H
+    H, G = view.H, Hq // view.H
     w = min(window, S)
-    keys = layer.k_host[:, :, :S].to(layer.device, torch.float32)
-    q = query[:, :, S - w:].to(layer.device, torch.float32).reshape(B, H, G * w, D)
+    keys = view.keys(0, S)
+    q = query[:, :, S - w :].to(view.device, torch.float32).reshape(B, H, G * w, D)
     logits = (q @ keys.transpose(-1, -2)) * scaling  # (B, H, G*w, S)
-    q_pos = torch.arange(S - w, S, device=layer.device).repeat(G)  # position of each query row
-    allowed = (torch.arange(S, device=layer.device)[None, :] <= q_pos[:, None])[None, None]
-    allowed = allowed & layer.valid[:, None, None, :S]
+    q_pos = torch.arange(S - w, S, device=view.device).repeat(G)  # position of each query row
+    allowed = (torch.arange(S, device=view.device)[None, :] <= q_pos[:, None])[None, None]
+    allowed = allowed & view.valid[:, None, None, :S]
     probs = logits.masked_fill(~allowed, float("-inf")).softmax(-1).nan_to_num(0.0)
     scores = probs.sum(2)  # (B, H, S)
     pool = F.avg_pool1d if pooling == "avgpool" else F.max_pool1d
@@ -37,23 +37,24 @@ class SnapKV(Method):
     kernel: int = 7
     pooling: str = "avgpool"
 
-    def on_prefill(self, layer, query, scaling):
-        scores = observation_scores(layer, query, scaling, self.window, self.kernel, self.pooling)
+    def on_prefill(self, view, query, scaling):
+        scores = observation_scores(view, query, scaling, self.window, self.kernel, self.pooling)
         S = scores.shape[-1]
-        cand = layer.candidates()[:, :S]
-        ks = layer.topk_counts()
+        cand = view.candidates[:, :S]
+        ks = view.ks
         k_max = min(max(ks), S)
         # the observation window (the prompt's last tokens) stays, as in SnapKV, also once it has
         # left the local window of decoding
-        frozen = (~cand)[:, None, :].expand(-1, layer.H, -1).clone()
+        frozen = (~cand)[:, None, :].expand(-1, view.H, -1).clone()
         if k_max > 0 and bool(cand.any()):
             top, valid = topk_positions(scores.masked_fill(~cand[:, None, :], float("-inf")), ks, k_max)
-            frozen.scatter_(2, top, valid & torch.gather(cand[:, None, :].expand(-1, layer.H, -1), 2, top))
-        layer.method_state.update(scores=scores, frozen=frozen)
+            frozen.scatter_(2, top, valid & torch.gather(cand[:, None, :].expand(-1, view.H, -1), 2, top))
+        view.state.update(scores=scores, frozen=frozen)
 
-    def select(self, layer, q, cand, ks, k_max):
-        frozen = layer.method_state["frozen"]
+    def select(self, view, q):
+        cand = view.candidates
+        frozen = view.state["frozen"]
         S0 = frozen.shape[-1]
-        chosen = cand[:, None, :].expand(-1, layer.H, -1).clone()  # generated tokens: all kept
+        chosen = cand[:, None, :].expand(-1, view.H, -1).clone()  # generated tokens: all kept
         chosen[..., :S0] &= frozen
         return positions_of(chosen)

@@ -13,14 +13,15 @@ class StreamingLLM(Method):
     name = "streaming"
     n_sink: int = 4
 
-    def split(self, config, n_real, layer):
+    def split(self, config, n_real, view):
         budget = config.budget_tokens(n_real)
         n_init = min(self.n_sink, budget)
         n_local = config.n_local or max(1, (budget - n_init) // 2)
         return n_init, max(0, budget - n_init - n_local), n_local
 
-    def select(self, layer, q, cand, ks, k_max):
+    def select(self, view, q):
         """The window continues past the device ring: the k_b most recent candidates of each row."""
+        cand = view.candidates
         newest_first = cand.flip(-1).long().cumsum(-1).flip(-1)  # rank from the end among candidates
-        kt = torch.tensor(ks, device=cand.device).view(-1, 1)
-        return positions_of((cand & (newest_first <= kt))[:, None, :].expand(-1, layer.H, -1))
+        kt = torch.tensor(view.ks, device=cand.device).view(-1, 1)
+        return positions_of((cand & (newest_first <= kt))[:, None, :].expand(-1, view.H, -1))

@@ -1,0 +1,143 @@
+"""The host tier: every token's K and V by position, in host memory (pinned on CUDA), with its flags.
+
+A fork of a prefilled cache (one per question in the app) shares the parent's tokens read-only and
+stores only the tokens it appends itself, so a question costs its own tokens, not a copy of the
+document. Readers never see the two parts: `keys(start, end)` and `rows(bh, pos)` read across them.
+
+Shapes: B rows, H KV heads, D head_dim, cap positions of storage; positions are padded positions
+shared by the batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class HostTier:
+    def __init__(self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device):
+        """device: the compute device (the flags live there; the K/V live on the host)."""
+        self.B, self.H, self.D, self.dtype, self.device = B, H, D, dtype, device
+        self.host = torch.device("cpu")
+        self.pin = device.type == "cuda"
+        self.S = 0  # positions stored
+        self.cap = 0  # positions the flags can hold
+        # shared, read-only prefix of a fork: full (B, H, cap_shared, D) storage and its length
+        self.shared_k = self.shared_v = None
+        self.S0 = 0
+        self.own_k = self.own_v = None  # (B, H, own_cap, D): positions S0.. of this tier
+        self.valid = torch.zeros((B, 0), dtype=torch.bool, device=device)  # real (not padding) tokens
+        self.searchable = torch.zeros((B, 0), dtype=torch.bool, device=device)  # real and not a sink
+        self.ready = None  # CUDA event of the last copy to the host
+
+    # ---- storage ---------------------------------------------------------------------------------
+    def reserve(self, n: int):
+        """Room for n positions (headroom included, so decoding appends without copying)."""
+        own_need = n - self.S0
+        own_cap = 0 if self.own_k is None else self.own_k.shape[2]
+        if own_need > own_cap:
+            cap = max(own_need + own_need // 4 + 256, 2 * own_cap)
+            shape = (self.B, self.H, cap, self.D)
+            k = torch.empty(shape, dtype=self.dtype, device=self.host, pin_memory=self.pin)
+            v = torch.empty(shape, dtype=self.dtype, device=self.host, pin_memory=self.pin)
+            if own_cap:
+                k[:, :, : self.S - self.S0] = self.own_k[:, :, : self.S - self.S0]
+                v[:, :, : self.S - self.S0] = self.own_v[:, :, : self.S - self.S0]
+            self.own_k, self.own_v = k, v
+        if n > self.cap:
+            cap = self.S0 + self.own_k.shape[2]
+            self.valid = _grow(self.valid, cap, self.S)
+            self.searchable = _grow(self.searchable, cap, self.S)
+            self.cap = cap
+
+    def append(self, k: torch.Tensor, v: torch.Tensor) -> int:
+        """k, v (B, H, Q, D) on the device -> stored at positions S..S+Q-1; returns the start."""
+        Q, start = k.shape[2], self.S
+        self.reserve(start + Q)
+        lo = start - self.S0
+        self.own_k[:, :, lo : lo + Q].copy_(k, non_blocking=True)
+        self.own_v[:, :, lo : lo + Q].copy_(v, non_blocking=True)
+        self.S += Q
+        if self.pin:  # the host reads these later (K-Means, gathers): remember when the copy lands
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        return start
+
+    def sync(self):
+        """Wait for the copies to the host (CUDA); no-op on CPU."""
+        if self.ready is not None:
+            self.ready.synchronize()
+
+    # ---- reading ---------------------------------------------------------------------------------
+    def keys(self, start: int = 0, end: int | None = None, device=None, dtype=None) -> torch.Tensor:
+        """Keys of positions [start, end) -> (B, H, n, D) (a view when no copy is needed)."""
+        return self._slice(self.shared_k, self.own_k, start, end, device, dtype)
+
+    def values(self, start: int = 0, end: int | None = None, device=None, dtype=None) -> torch.Tensor:
+        return self._slice(self.shared_v, self.own_v, start, end, device, dtype)
+
+    def _slice(self, shared, own, start, end, device, dtype):
+        end = self.S if end is None else end
+        self.sync()
+        if end <= self.S0:
+            out = shared[:, :, start:end]
+        elif start >= self.S0:
+            out = own[:, :, start - self.S0 : end - self.S0]
+        else:
+            out = torch.cat([shared[:, :, start : self.S0], own[:, :, : end - self.S0]], dim=2)
+        return out.to(device or out.device, dtype or out.dtype)
+
+    def rows(self, bh: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of (row * H + head, position) pairs: bh, pos (n,) on the host -> (n, D) each."""
+        self.sync()
+        if self.S0 == 0:
+            return _take(self.own_k, self.own_v, bh, pos)
+        out_k = torch.empty((bh.numel(), self.D), dtype=self.dtype)
+        out_v = torch.empty_like(out_k)
+        old = pos < self.S0
+        for part, k, v, offset in ((old, self.shared_k, self.shared_v, 0), (~old, self.own_k, self.own_v, self.S0)):
+            idx = part.nonzero().squeeze(1)
+            if idx.numel():
+                out_k[idx], out_v[idx] = _take(k, v, bh[idx], pos[idx] - offset)
+        return out_k, out_v
+
+    def gather(self, pos: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """pos (B, n) -> K, V (B, H, n, D): the same positions for every head of a row."""
+        B, H, n = self.B, self.H, pos.shape[1]
+        pos = pos.to(self.host)
+        bh = torch.arange(B * H).view(B, H, 1).expand(B, H, n).reshape(-1)
+        flat = pos[:, None, :].expand(B, H, n).reshape(-1)
+        k, v = self.rows(bh, flat)
+        device = device or self.device
+        return k.view(B, H, n, self.D).to(device), v.view(B, H, n, self.D).to(device)
+
+    # ---- forks -----------------------------------------------------------------------------------
+    def fork(self) -> HostTier:
+        """A tier that reads this one's tokens without copying them and appends its own."""
+        new = HostTier(self.B, self.H, self.D, self.dtype, self.device)
+        if self.S0 == 0 and self.own_k is not None:
+            new.shared_k, new.shared_v = self.own_k, self.own_v
+        elif self.S:  # a fork of a fork: its two parts become one shared copy
+            new.shared_k, new.shared_v = self.keys(0, self.S).contiguous(), self.values(0, self.S).contiguous()
+        new.S0 = new.S = self.S
+        new.cap = self.S
+        new.valid = self.valid[:, : self.S].clone()
+        new.searchable = self.searchable[:, : self.S].clone()
+        return new
+
+    @property
+    def own_bytes(self) -> int:
+        """Bytes this tier holds itself (a fork's shared prefix belongs to its parent)."""
+        return 2 * self.B * self.H * (self.S - self.S0) * self.D * self.dtype.itemsize
+
+
+def _grow(flags: torch.Tensor, cap: int, n: int) -> torch.Tensor:
+    new = torch.zeros((flags.shape[0], cap), dtype=flags.dtype, device=flags.device)
+    new[:, :n] = flags[:, :n]
+    return new
+
+
+def _take(k: torch.Tensor, v: torch.Tensor, bh: torch.Tensor, pos: torch.Tensor):
+    """(B, H, cap, D) storage, flat (row * H + head) and positions (n,) -> (n, D) each."""
+    D, cap = k.shape[3], k.shape[2]
+    flat = bh * cap + pos
+    return k.view(-1, D).index_select(0, flat), v.view(-1, D).index_select(0, flat)

@@ -1,0 +1,35 @@
+"""The instrumentation probe of a step (sampled steps only): exact scores of the step's queries,
+for the attention power law and for the top-k recall of the selection against the exact top-k
+chosen by the same rule (same candidates, same GQA combine, same k). It only reads."""
+
+from __future__ import annotations
+
+import torch
+
+from pqcache.engine.methods.base import combine_rows, topk_positions
+
+
+def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Tensor, top_valid: torch.Tensor):
+    """q (B, H, R, D) unscaled queries of the step; top, top_valid (B, H, k) what the method picked."""
+    host = layer.host
+    S, B, H = host.S, host.B, host.H
+    keys = host.keys(0, S, device=layer.device, dtype=torch.float32)
+    exact = (q.float() * scaling) @ keys.transpose(-1, -2)  # (B, H, R, S)
+    valid = host.valid[:, :S]
+    probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)  # (B, H, R, S)
+    if obs.wants_attention(step):
+        obs.record_attention(layer.layer_idx, step, probs.sort(-1, descending=True).values.mean((0, 1, 2)))
+    if not obs.wants_recall(step) or top.shape[2] == 0:
+        return
+    cand = layer.candidates()
+    exact_comb = combine_rows(exact.transpose(2, 3).contiguous(), cand, layer.config.gqa_combine)  # (B, H, S)
+    etop, evalid = topk_positions(exact_comb, layer.topk_counts(), top.shape[2])
+    chosen = torch.zeros((B, H, S), dtype=torch.bool, device=layer.device)
+    chosen.scatter_(2, top, top_valid)
+    in_cand = torch.gather(cand[:, None, :].expand(-1, H, -1), 2, etop)
+    exact_set = torch.zeros_like(chosen).scatter_(2, etop, evalid & in_cand)
+    inter = (chosen & exact_set).sum(-1).float()
+    topk_recall = (inter / exact_set.sum(-1).clamp(min=1)).mean(0)  # (H,)
+    attended = chosen | (~cand[:, None, :] & valid[:, None, :])  # sinks and window are attended too
+    mass = (probs * attended[:, :, None, :]).sum(-1).mean(-1).mean(0)  # (H,)
+    obs.record_recall(layer.layer_idx, step, topk_recall.tolist(), mass.tolist(), int(top_valid.sum(-1).max()))

@@ -1,0 +1,159 @@
+"""The device window: what one step of a layer attends to, in one preallocated device buffer
+
+    [ sinks | local-window ring | fetched top-k | new tokens ]
+
+so a step writes the fetched tokens and the new tokens in place and attends to a prefix. The ring
+holds the last L positions (slot = position % L); the top-k part is filled by `fetch`, from the
+block cache (hot blocks kept on the device, blockcache.py) where it can and from the host otherwise.
+
+Shapes: B rows, H KV heads, D head_dim, k fetched tokens, Q new tokens, N = n_init + L + k + Q.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.layer.blockcache import BlockCache
+from pqcache.engine.layer.host import HostTier
+
+
+class DeviceWindow:
+    def __init__(self, host: HostTier, splits: list[tuple[int, int, int]], config: PQCacheConfig, policy: str):
+        """splits: (n_init, n_topk, n_local) of each row, from the method. Marks the sinks as not
+        searchable in the host tier, copies sinks and window to the device, sizes the block cache."""
+        self.host, self.device = host, host.device
+        B, S = host.B, host.S
+        valid = host.valid[:, :S]
+        self.n_real = [int(n) for n in valid.sum(1).tolist()]
+        splits = [(min(s[0], n), s[1], s[2]) for s, n in zip(splits, self.n_real, strict=True)]  # no more sinks than tokens
+        self.n_init = max(s[0] for s in splits)
+        self.n_local = [s[2] for s in splits]
+        self.L = max(self.n_local)
+
+        rank = valid.long().cumsum(1) - 1  # (B, S) index among real tokens
+        n_init_row = torch.tensor([s[0] for s in splits], device=valid.device)
+        is_init = valid & (rank < n_init_row[:, None])
+        host.searchable[:, :S] = valid & ~is_init
+        # Sink positions per row: the first n_init real tokens (sorted key puts them first).
+        key = torch.where(is_init, rank, torch.full_like(rank, S + 1))
+        self.init_pos = key.argsort(dim=1, stable=True)[:, : self.n_init]  # (B, n_init)
+        self.init_valid = is_init.gather(1, self.init_pos)
+
+        self.k_cap = self.q_cap = 0
+        self.ensure(1, 1)
+        self.k[:, :, : self.n_init], self.v[:, :, : self.n_init] = host.gather(self.init_pos)
+        self.slot_pos = torch.full((self.L,), -1, dtype=torch.long)  # position held by each ring slot
+        first = max(0, S - self.L)
+        self.ring_write(host.keys(first, S), host.values(first, S), first)
+
+        self.blocks = None
+        # at most a quarter of the prefill: a device tier as large as the context would defeat the purpose
+        capacity = min(config.block_cache_tokens, S // 4 // config.block_size * config.block_size)
+        if capacity >= config.block_size:
+            self.blocks = BlockCache(
+                B, host.H, host.D, host.dtype, self.device, config.block_size, capacity, config.block_admit, policy
+            )
+
+    def ensure(self, k: int, q: int):
+        """Grow the buffer when the top-k or the chunk outgrows it (the sinks and ring are kept)."""
+        if k <= self.k_cap and q <= self.q_cap:
+            return
+        host = self.host
+        k_cap, q_cap = max(k, self.k_cap + self.k_cap // 4), max(q, self.q_cap)
+        n = self.n_init + self.L + k_cap + q_cap
+        new_k = torch.zeros((host.B, host.H, n, host.D), dtype=host.dtype, device=self.device)
+        new_v = torch.zeros_like(new_k)
+        if self.k_cap or self.q_cap:
+            keep = self.n_init + self.L
+            new_k[:, :, :keep], new_v[:, :, :keep] = self.k[:, :, :keep], self.v[:, :, :keep]
+        self.k, self.v, self.k_cap, self.q_cap = new_k, new_v, k_cap, q_cap
+
+    def ring_write(self, k: torch.Tensor, v: torch.Tensor, start: int):
+        """Tokens at positions start..start+Q-1 into the ring (only the last L can survive)."""
+        Q = k.shape[2]
+        if self.L == 0 or Q == 0:
+            return
+        first = max(0, Q - self.L)
+        pos = torch.arange(start + first, start + Q)
+        slots = self.n_init + pos % self.L
+        self.k[:, :, slots] = k[:, :, first:].to(self.device, non_blocking=True)
+        self.v[:, :, slots] = v[:, :, first:].to(self.device, non_blocking=True)
+        self.slot_pos[pos % self.L] = pos
+
+    def fetch(self, top: torch.Tensor, valid: torch.Tensor, span) -> dict:
+        """K/V of host positions top (B, H, k) into the top-k part of the buffer: block-cache hits
+        from the device, misses from the host. Returns hits, misses and bytes moved to the device."""
+        host = self.host
+        B, H, k = top.shape
+        D, N, lo = host.D, self.k.shape[2], self.n_init + self.L
+        rows = torch.arange(B * H, device=self.device)
+        dest = ((rows * N).view(B, H, 1) + lo + torch.arange(k, device=self.device)).reshape(-1)  # rows of k.view(-1, D)
+        out_k, out_v = self.k.view(-1, D), self.v.view(-1, D)
+        if self.blocks is not None:
+            slot = self.blocks.lookup(top)
+            hit = (slot >= 0) & valid
+        else:
+            slot, hit = None, torch.zeros_like(valid)
+        miss_rows = (~hit).reshape(-1).nonzero().squeeze(1)
+        hit_rows = hit.reshape(-1).nonzero().squeeze(1)
+        if hit_rows.numel():
+            out_k[dest[hit_rows]], out_v[dest[hit_rows]] = self.blocks.read(slot, top, hit_rows)
+        with span("copy to device"):
+            miss = miss_rows.to(host.host)
+            bh = torch.arange(B * H).view(B, H, 1).expand(B, H, k).reshape(-1)[miss]
+            mk, mv = host.rows(bh, top.to(host.host).reshape(-1)[miss])
+            out_k[dest[miss_rows]] = mk.to(self.device, non_blocking=True)
+            out_v[dest[miss_rows]] = mv.to(self.device, non_blocking=True)
+        el = self.k.element_size()
+        moved = 2 * miss_rows.numel() * D * el
+        if self.blocks is not None:
+            admitted = self.blocks.admit(top, valid, host, host.S - max(self.n_local))
+            moved += 2 * admitted * D * el
+        return {"hits": int(hit.sum()), "misses": int((valid & ~hit).sum()), "moved": moved}
+
+    def assemble(self, top_valid: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor):
+        """Write the Q new tokens after the k fetched ones -> keys, values (B, H, N, D) and the mask
+        (B, H, Q, N) of what each new token may attend to (real tokens only, causal among the new)."""
+        host = self.host
+        B, H = host.B, host.H
+        k, Q, lo = top_valid.shape[2], k_new.shape[2], self.n_init + self.L
+        self.k[:, :, lo + k : lo + k + Q] = k_new
+        self.v[:, :, lo + k : lo + k + Q] = v_new
+        keys, values = self.k[:, :, : lo + k + Q], self.v[:, :, : lo + k + Q]
+        ring_valid = self.ring_valid()
+        ctx_valid = torch.cat(
+            [self.init_valid[:, None, :].expand(B, H, -1), ring_valid[:, None, :].expand(B, H, -1), top_valid], dim=2
+        )  # (B, H, n_init + L + k)
+        causal = torch.ones(Q, Q, dtype=torch.bool, device=self.device).tril()
+        new_mask = causal[None, :, :] & new_valid[:, None, :]  # (B, Q, Q)
+        mask = torch.cat(
+            [ctx_valid[:, :, None, :].expand(B, H, Q, lo + k), new_mask[:, None].expand(B, H, Q, Q)], dim=3
+        )
+        return keys, values, mask
+
+    def ring_valid(self) -> torch.Tensor:
+        """(B, L) bool: ring slots holding a real token of the row's window."""
+        host = self.host
+        slot_pos = self.slot_pos.to(self.device)
+        local_start = torch.tensor([host.S - n for n in self.n_local], device=self.device)
+        ok = (slot_pos[None, :] >= local_start[:, None]) & (slot_pos[None, :] >= 0)
+        return ok & host.valid[:, : host.S].gather(1, slot_pos.clamp(min=0)[None, :].expand(host.B, -1))
+
+    def positions(self, top: torch.Tensor, Q: int) -> torch.Tensor:
+        """Host position of every buffer slot of the last step -> (B, H, N); the new tokens are S..S+Q-1."""
+        B, H, S = self.host.B, self.host.H, self.host.S
+        return torch.cat(
+            [
+                self.init_pos[:, None, :].expand(B, H, -1),
+                self.slot_pos.to(self.device).view(1, 1, -1).expand(B, H, -1),
+                top,
+                torch.arange(S, S + Q, device=self.device).view(1, 1, Q).expand(B, H, Q),
+            ],
+            dim=2,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        n = (self.k.numel() + self.v.numel()) * self.k.element_size()
+        return n + (self.blocks.nbytes if self.blocks is not None else 0)
