@@ -30,6 +30,13 @@ def tiny_model(arch: str, seed: int = 0):
     return model.eval()
 
 
+def greedy_generate(model, ids, cache, n=6, mask=None):
+    """Exactly n greedy tokens through transformers' generate with `cache`: (sequences, scores (n, B, V))."""
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, cache=cache, pad_token_id=0)
+    return out.sequences, torch.stack(out.scores)
+
+
 class WordTokenizer:
     """Whitespace tokenizer over the tiny models' vocabulary (ids 1..95)."""
 

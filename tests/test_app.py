@@ -5,11 +5,12 @@ from pathlib import Path
 import pytest
 from gradio_client import Client, handle_file
 
+from pqcache.serving.settings import LoadSettings
+
 ROOT = Path(__file__).resolve().parents[1]
 PASSKEY = ROOT / "assets" / "passkey_1k.txt"
 QUESTION = "What is the pass key? The pass key is"
-# method, m, bits, budget, sinks, window, policy, block cache, text encoding, a document too long
-SETTINGS = ["pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse"]
+SETTINGS = LoadSettings().values()  # the load form's defaults, in the endpoint's order
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_stop_halts_generation(client):
 def test_bad_input_gives_a_message_and_the_session_survives(client):
     status = client.predict(None, "   ", *SETTINGS, api_name="/load_document")[0]
     assert status.startswith("**Error:**") and "empty" in status
-    bad = client.predict(None, "some text", "pqcache", 3, *SETTINGS[2:], api_name="/load_document")[0]
+    bad = client.predict(None, "some text", *LoadSettings(m=3).values(), api_name="/load_document")[0]
     assert "m=3 must divide" in bad
     out = list(client.submit(QUESTION, [], "pqcache", 8, "5", api_name="/ask"))[-1]
     assert "68422" in _answer(out)  # the loaded document is still there

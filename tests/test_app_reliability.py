@@ -1,24 +1,26 @@
 """Reliability through gradio_client against a running app: bad input, the cache cap, the queue, Stop."""
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from gradio_client import Client, handle_file
 from gradio_client.utils import Status
 
+from pqcache.serving.settings import LoadSettings
 from pqcache.tools.passkey import QUESTION, passkey_context
 
 from .test_documents import BAD_FILES
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSKEY = ROOT / "assets" / "passkey_1k.txt"  # 1006 tokens, 23 MiB of cache: one fits under the 40 MiB cap
-SETTINGS = ["pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024]
-LOAD = [*SETTINGS, "utf-8", "refuse"]
+SETTINGS = LoadSettings()  # the load form's defaults
 
 
 def load(client, path=None, text="", *, encoding="utf-8", too_long="refuse", settings=SETTINGS):
     file = handle_file(str(path)) if path else None
-    return client.predict(file, text, *settings, encoding, too_long, api_name="/load_document")[0]
+    form = replace(settings, encoding=encoding, too_long=too_long)
+    return client.predict(file, text, *form.values(), api_name="/load_document")[0]
 
 
 def answer(client, question=QUESTION, max_new=8):
@@ -53,11 +55,11 @@ def test_bad_input_leaves_the_session_working(client, tmp_path):
     assert load(client, PASSKEY).startswith("Loaded **1006** tokens")
     bad = {  # what a user types -> what the page says
         "whitespace": load(client, text=" \n\t "),
-        "no m": load(client, text="x", settings=["pqcache", None, *SETTINGS[2:]]),
-        "m=3": load(client, text="x", settings=["pqcache", 3, *SETTINGS[2:]]),
-        "budget": load(client, text="x", settings=[*SETTINGS[:3], -1, *SETTINGS[4:]]),
-        "budget text": load(client, text="x", settings=[*SETTINGS[:3], "a lot", *SETTINGS[4:]]),
-        "window": load(client, text="x", settings=[*SETTINGS[:3], 40, 32, 20, *SETTINGS[6:]]),
+        "no m": load(client, text="x", settings=replace(SETTINGS, m=None)),
+        "m=3": load(client, text="x", settings=replace(SETTINGS, m=3)),
+        "budget": load(client, text="x", settings=replace(SETTINGS, budget=-1)),
+        "budget text": load(client, text="x", settings=replace(SETTINGS, budget="a lot")),
+        "window": load(client, text="x", settings=replace(SETTINGS, budget=40, n_init=32, n_local=20)),
     }
     assert "the document is empty" in bad["whitespace"]
     assert "m must be a number, got None" in bad["no m"]
@@ -129,7 +131,8 @@ def test_requests_queue_with_a_visible_position(small_app_url):
 
 def test_stop_during_prefill_then_everything_works(client):
     long_doc = passkey_context("27182", n_filler=80, depth=0.1)
-    job = client.submit(None, long_doc, *SETTINGS, "utf-8", "cut the middle", api_name="/load_document")
+    job = client.submit(None, long_doc, *replace(SETTINGS, too_long="cut the middle").values(),
+                        api_name="/load_document")
     wait_for(lambda: job.status().code == Status.PROGRESS or job.done(), every=0.05)
     assert client.predict(api_name="/stop") == "stopped"
     wait_for(job.done)

@@ -68,6 +68,8 @@ def test_bad_uploads_show_a_message_and_the_document_stays(page, tmp_path):
     page.wait_for_selector("text=exceed the maximum allowed size of 10.0 Mb", timeout=30_000)
     page.locator("#question textarea").fill("What is the pass key? The pass key is")
     page.locator("#ask").click()
+    page.wait_for_function(  # the status line still shows the first answer's tokens/s: wait for this answer
+        "() => document.querySelector('#chat').innerText.split('68422').length > 2", timeout=180_000)
     page.wait_for_selector("#gen-status >> text=tokens/s", timeout=180_000)
     assert "Traceback" not in page.locator("body").inner_text()
     assert page.locator("#chat").inner_text().count("68422") >= 2  # the first answer and this one

@@ -1,7 +1,11 @@
 """python -m pqcache: generate --json on the bundled model, bench --json, readable errors."""
+import importlib
 import json
+import shutil
 import subprocess
 import sys
+import tomllib
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -9,6 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PASSKEY = ROOT / "assets" / "passkey_1k.txt"
 QUESTION = "What is the pass key? The pass key is"
+SUBCOMMANDS = ("generate", "bench", "eval", "datasets", "loadtest", "calibrate")
 
 
 def run_cli(*args, timeout=600):
@@ -51,12 +56,15 @@ def test_bench_attention_json_shape():
     rows = json.loads(proc.stdout)["rows"]
     assert [r["seq_len"] for r in rows] == [1024, 2048]
     for r in rows:
-        assert set(r) == {"seq_len", "dense_ms", "pqcache_ms", "speedup", "search_share"}
+        assert set(r) == {"seq_len", "m", "bits", "rerank", "dense_ms", "pqcache_ms", "speedup", "search_share",
+                          "rerank_share"}
         assert r["dense_ms"] > 0 and r["pqcache_ms"] > 0 and 0 < r["search_share"] <= 1
+        assert 0 < r["rerank_share"] <= 1  # the exact re-rank's share of the step
+        assert (r["m"], r["rerank"]) == (2, 4) and 4 <= r["bits"] <= 8  # defaults for 128-dim heads
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--bits", "9"], "bits must be an int in 1..8"),
+    (["--bits", "9"], "bits must be None or an int in 1..8"),
     (["--token-budget", "0"], "token_budget must be > 0"),
     (["--model", "/no/such/model"], "does not exist"),
     (["--context-file", "/no/such/file.txt"], "cannot open file.txt"),
@@ -130,3 +138,22 @@ def test_eval_bad_input_messages(tmp_path):
                           ([], "give --cases")]:
         proc = run_cli("eval", *args)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_pqcache_console_script_help_lists_the_subcommands(capsys):
+    """pyproject's `pqcache` console script is the CLI of `python -m pqcache` (the installed command when present)."""
+    target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["pqcache"]
+    assert target == "pqcache.tools.cli:main"
+    module, func = target.split(":")
+    main = getattr(importlib.import_module(module), func)
+    with pytest.raises(SystemExit) as exc:  # the console-script wrapper runs sys.exit(main())
+        main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert all(cmd in out for cmd in SUBCOMMANDS), out
+    installed = list(entry_points(group="console_scripts", name="pqcache"))
+    assert all(ep.value == target for ep in installed), installed
+    if installed and shutil.which("pqcache"):
+        proc = subprocess.run(["pqcache", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert all(cmd in proc.stdout for cmd in SUBCOMMANDS), proc.stdout

@@ -87,7 +87,8 @@ def test_second_chunk_runs_against_cached_document(arch):
 def test_second_chunk_shares_one_selection():
     model = tiny_model("llama")
     doc = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(2))
-    cache = PQCache(model, PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=5, bits=4))
+    cfg = PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=5, bits=4, chunk_attention="selected")
+    cache = PQCache(model, cfg)
     with torch.no_grad():
         model(doc, cache=cache)
         logits = model(doc[:, :10], cache=cache).logits
@@ -144,3 +145,31 @@ def test_pq_layer_rejects_beam_search():
     ids = torch.randint(1, 96, (1, 30))
     with pytest.raises(NotImplementedError, match="beam"):
         model.generate(ids, num_beams=2, max_new_tokens=2, cache=PQCache(model, FULL_BUDGET), pad_token_id=0)
+
+
+def test_question_chunk_attends_exactly_then_decoding_selects():
+    """chunk_attention="exact" (default): a question after a cached document sees every cached token,
+    so its logits equal full attention's even at a small budget; the next step selects within the
+    budget again and the device buffer is back to the budget's size."""
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(12)
+    doc, question = torch.randint(1, 96, (1, 300), generator=g), torch.randint(1, 96, (1, 12), generator=g)
+    cfg = PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=5, bits=4)
+    assert cfg.chunk_attention == "exact"
+    with torch.no_grad():
+        ref_cache = DynamicCache(config=model.config)
+        model(doc, cache=ref_cache)
+        ref = model(question, cache=ref_cache).logits
+        cache = PQCache(model, cfg)
+        model(doc, cache=cache)
+        out = model(question, cache=cache).logits
+        layer = cache.pq_layers[0]
+        assert int(layer.last_selection[1].sum()) > 2 * cfg.split(300)[1]  # more than the budget: all of it
+        device_after_chunk = cache.stats()["device_kv_bytes"]
+        model(torch.tensor([[3]]), cache=cache)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    assert int(layer.last_selection[1].sum(-1).max()) <= max(layer.topk_counts())  # the budget again
+    assert cache.stats()["device_kv_bytes"] <= device_after_chunk
+    n_init, n_topk, n_local = cfg.split(300)
+    per_layer = n_init + layer.window.L + layer.window.k_cap + layer.window.q_cap
+    assert layer.window.k_cap < 300 and per_layer < 300  # the whole context is not kept on the device

@@ -2,7 +2,6 @@
 import json
 
 import pytest
-import torch
 
 from pqcache import PQCacheConfig
 from pqcache.tools import datasets
@@ -96,6 +95,14 @@ def test_ruler_cases_hold_their_answers(tok):
 def test_recall_study_on_real_keys(real_model):
     model, tok = real_model
     text = tok.decode(tok(datasets.essays_text()).input_ids[1:700])
-    rows = evaluate.recall_study(model, tok, text, ms=(2,), bits_list=(4, 8), budgets=(0.1,), n_queries=4, iters=5)
-    assert [(r["layer"], r["bits"]) for r in rows] == [(5, 4), (5, 8), (11, 4), (11, 8), (17, 4), (17, 8)]
-    assert all(0 <= r["topk_recall"] <= 1 and 0 < r["mass_recall"] <= 1 for r in rows)
+    rows = evaluate.recall_study(model, tok, text, ms=(2,), bits_list=(4, 8), reranks=(1, 4, 1000), budgets=(0.1,),
+                                 n_queries=4, iters=5)
+    assert [(r["layer"], r["bits"], r["rerank"]) for r in rows][:4] == [(5, 4, 1), (5, 4, 4), (5, 4, 1000), (5, 8, 1)]
+    assert len(rows) == 3 * 2 * 3
+    assert all(0 <= r["recall"] <= 1 and 0 < r["mass_recall"] <= 1 and 0 <= r["qhead_recall"] <= 1 for r in rows)
+    by = {(r["layer"], r["bits"], r["rerank"]): r for r in rows}
+    for (layer, bits, rerank), r in by.items():
+        if rerank == 1000:  # every candidate re-ranked exactly: the exact top-k itself
+            assert r["recall"] == 1.0
+        if rerank == 4:
+            assert r["recall"] >= by[(layer, bits, 1)]["recall"]  # the re-rank only adds exact information

@@ -79,8 +79,8 @@ def test_pq_topk_recall_on_planted_structure(m, bits, threshold):
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"m": 0}, "m \\(number of sub-spaces\\)"),
-    ({"bits": 9}, "bits must be an int in 1..8"),
-    ({"bits": 0}, "bits must be an int in 1..8"),
+    ({"bits": 9}, "bits must be None or an int in 1..8"),
+    ({"bits": 0}, "bits must be None or an int in 1..8"),
     ({"token_budget": 0}, "token_budget must be > 0"),
     ({"token_budget": -0.5}, "token_budget must be > 0"),
     ({"token_budget": 2.5}, "neither a fraction"),

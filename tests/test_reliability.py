@@ -12,6 +12,7 @@ from pqcache.engine.errors import (Cancelled, CapacityError, DocumentTooLongErro
                             PQBuildError, SessionEvictedError)
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.session import DocumentSession
+from pqcache.serving.settings import LoadSettings
 
 from .conftest import WordTokenizer, tiny_model
 
@@ -242,21 +243,22 @@ def test_worker_fault_can_fail_the_request_instead(model, monkeypatch):
 
 
 @pytest.fixture
-def app_load(real_model, monkeypatch):
-    """app.load_document called in-process with the bundled model, as user `name`; returns the status."""
+def app_load(real_model):
+    """The app's load_document handler called in-process with the bundled model, as user `name`; returns the
+    status."""
     import types
 
-    import app
+    from studio import Studio
+    from studio.qa import QATab
 
-    monkeypatch.setitem(app.MODEL, "model", real_model[0])
-    monkeypatch.setitem(app.MODEL, "tokenizer", real_model[1])
+    qa = QATab(Studio(*real_model, SessionPool(max_bytes=2 * 2**30, idle_s=1800)))
 
     def load(name, text):
         try:
-            return app.load_document(None, text, "pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse",
-                                     request=types.SimpleNamespace(session_hash=name), progress=lambda *a, **k: None)[0]
+            return qa.load_document(None, text, *LoadSettings().values(),
+                                    request=types.SimpleNamespace(session_hash=name), progress=lambda *a, **k: None)[0]
         finally:
-            app.POOL.end(name)
+            qa.pool.end(name)
 
     return load
 

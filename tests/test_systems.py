@@ -60,6 +60,7 @@ def test_recall_and_attention_records():
     for rec in obs_full.recall:  # the whole context is attended: recall and mass are 1
         assert rec["topk_recall"] == pytest.approx([1.0] * 2)
         assert rec["mass_recall"] == pytest.approx([1.0] * 2, abs=1e-5)
+        assert rec["qhead_recall"] == pytest.approx([1.0] * 4)  # each query head's own top-k is in
     for att in obs_full.attention:
         probs = att["prob"]
         assert probs == sorted(probs, reverse=True) and 0 < probs[0] <= 1
@@ -69,6 +70,7 @@ def test_recall_and_attention_records():
     for rec in obs_small.recall:
         assert all(0 <= r <= 1 for r in rec["topk_recall"])
         assert all(0 < m < 1 for m in rec["mass_recall"])  # a 1/10 budget misses some mass
+        assert len(rec["qhead_recall"]) == 4 and all(0 <= r <= 1 for r in rec["qhead_recall"])
 
 
 def test_clustering_overlaps_later_layers_compute():
@@ -206,3 +208,17 @@ def test_device_map_places_tiers_on_each_layers_device(tmp_path):
         param_device = next(loaded.model.layers[layer.layer_idx].parameters()).device
         assert layer.device == param_device == layer.window.k.device == layer.method_state["index"].codes.device
         assert layer.host.own_k.device.type == "cpu"
+
+
+def test_per_query_head_recall_counts_each_heads_own_top_k():
+    """Two query heads share a KV head: a selection holding head 0's exact top-k but none of head
+    1's scores 1 for head 0 and 0 for head 1."""
+    from pqcache.engine.layer.probe import per_query_head_recall
+
+    exact = torch.zeros(1, 1, 2, 10)
+    exact[0, 0, 0, [1, 2]] = 5.0  # head 0 looks at 1 and 2
+    exact[0, 0, 1, [6, 7]] = 5.0  # head 1 at 6 and 7
+    cand = torch.ones(1, 10, dtype=torch.bool)
+    chosen = torch.zeros(1, 1, 10, dtype=torch.bool)
+    chosen[0, 0, [1, 2]] = True
+    assert per_query_head_recall(exact, cand, chosen, k=2, G=2).tolist() == [1.0, 0.0]

@@ -89,9 +89,10 @@ def test_cost_model_curve_and_estimate():
     assert fig.layout.xaxis.type == "log" and "model" in fig.layout.title.text
 
 
-def test_recall_grid_lines_per_budget():
-    rows = [{"layer": layer, "m": m, "bits": b, "budget": bud, "topk_recall": 0.1 * m * b / 32}
-            for layer in (5, 11) for m in (1, 2) for b in (4, 8) for bud in (0.2, 0.1)]
+def test_recall_grid_lines_per_setting():
+    rows = [{"layer": layer, "m": m, "bits": b, "budget": 0.1, "rerank": rr, "recall": 0.01 * m * b * rr + layer / 100}
+            for layer in (5, 11) for m in (2, 4) for b in (6, 8) for rr in (1, 4, 8)]
     fig = figures.recall_grid(rows)
-    assert [tr.name for tr in fig.data] == ["budget 0.2", "budget 0.1"]
-    assert list(fig.data[0].x) == [4, 8, 8, 16] and fig.data[0].y[-1] == pytest.approx(0.1 * 16 / 32)
+    assert [tr.name for tr in fig.data][:2] == ["m=2, bits=6, budget 0.1", "m=2, bits=8, budget 0.1"]
+    assert len(fig.data) == 4 and list(fig.data[0].x) == [1, 4, 8]
+    assert fig.data[0].y[-1] == pytest.approx(0.01 * 2 * 6 * 8 + 0.08)  # mean over the two layers

@@ -150,20 +150,20 @@ def cost_curves(rows: list[dict]) -> go.Figure:
 
 
 def recall_grid(rows: list[dict]) -> go.Figure:
-    """PQ top-k recall (mean over layers) against m*bits, one line per budget (`eval recall` rows)."""
+    """Top-k recall of the selection (mean over layers) against the re-rank factor, one line per
+    (m, bits, budget) (`eval recall --json` rows); rerank 1 is PQ alone, as in the paper."""
     if not rows:
-        return _empty("PQ top-k recall vs m x bits", "no rows")
+        return _empty("top-k recall vs re-rank factor", "no rows")
     fig = go.Figure()
-    for budget in sorted({r["budget"] for r in rows}, reverse=True):
-        cells = {}
-        for r in rows:
-            if r["budget"] == budget:
-                cells.setdefault((r["m"], r["bits"]), []).append(r["topk_recall"])
-        keys = sorted(cells, key=lambda mb: (mb[0] * mb[1], mb[0]))
-        fig.add_trace(go.Scatter(x=[m * b for m, b in keys], y=[sum(cells[k]) / len(cells[k]) for k in keys],
-                                 mode="markers", marker=dict(size=10), name=f"budget {budget}",
-                                 text=[f"m={m}, bits={b}" for m, b in keys],
-                                 hovertemplate="%{text}: %{y:.3f}<extra></extra>"))
-    fig.update_xaxes(title="m x bits (bits of code per token and KV head)")
+    lines: dict[tuple, dict[int, list[float]]] = {}
+    for r in rows:
+        lines.setdefault((r["m"], r["bits"], r["budget"]), {}).setdefault(r["rerank"], []).append(r["recall"])
+    for (m, bits, budget), cells in sorted(lines.items()):
+        xs = sorted(cells)
+        fig.add_trace(go.Scatter(x=xs, y=[sum(cells[x]) / len(cells[x]) for x in xs], mode="lines+markers",
+                                 name=f"m={m}, bits={bits}, budget {budget}",
+                                 hovertemplate="rerank %{x}: %{y:.3f}<extra></extra>"))
+    fig.update_xaxes(title="re-rank factor (PQ picks rerank x k candidates, exact scores pick k)", type="log",
+                     tickvals=sorted({r["rerank"] for r in rows}))
     fig.update_yaxes(title="top-k recall (mean over layers)", range=[0, 1.05])
-    return _layout(fig, "PQ top-k recall on the bundled model's keys")
+    return _layout(fig, "Top-k recall on the bundled model's keys")

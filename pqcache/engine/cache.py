@@ -86,11 +86,11 @@ class PQCache(Cache):
         config (a cache filled by hand, e.g. in benchmarks). method: how the middle tokens are picked
         (methods/: pqcache, oracle, full, streaming, h2o, snapkv, pyramidkv, sparq, infllm).
         keep_queries: keep the prefill queries so that `fork()` can start any method later."""
-        self.pq_config = config or PQCacheConfig()
+        self.pq_config = config or PQCacheConfig()  # m resolved for the model below
         self.method = make_method(method)
         model_config = getattr(model, "config", model)
         text_config = model_config.get_text_config(decoder=True)
-        self.pq_config.check_head_dim(head_dim_of(text_config))
+        self.pq_config = self.pq_config.for_head_dim(head_dim_of(text_config))
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans")
         fit = load_fit() if self.pq_config.kmeans_iters == "auto" else None  # read once per cache
         iters_for = partial(kmeans_iters_for, self.pq_config.kmeans_iters, fit=fit)

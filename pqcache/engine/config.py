@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 from pqcache.engine.errors import PQCacheConfigError
 
@@ -15,8 +15,11 @@ def _is_int(x) -> bool:
 class PQCacheConfig:
     # Product quantization: each key of head_dim d_h is split into `m` sub-vectors of d_h/m dims,
     # each sub-space clustered into 2**bits centroids; codes are uint8, so bits <= 8.
-    m: int = 2
-    bits: int = 6
+    # None (default) chooses from the model and the context (see for_head_dim and bits_for):
+    #   m: sub-spaces of at most 64 dimensions (the paper's Llama setting: m=2 for 128-dim heads);
+    #   bits: the most (<= 8) whose codes and float32 centroids stay within 1/16 of the fp16 keys.
+    m: int | None = None
+    bits: int | None = None
     # Tokens attended per decode step (sinks + top-k + local window), either a fraction of the
     # context in (0, 1] or an absolute count >= 1. The paper evaluates 1/5 and 1/10.
     token_budget: float | int = 0.2
@@ -33,6 +36,13 @@ class PQCacheConfig:
     # How the query heads sharing one KV head combine their approximate scores:
     # "softmax_sum" (official code: softmax per query head, then sum), or "sum" (raw scores summed).
     gqa_combine: str = "softmax_sum"
+    # Two-stage search: PQ scores pick rerank x k candidates, their exact scores (computed on the host
+    # tier, where the keys are) pick the k attended. 1: the paper's single-stage search.
+    rerank: int = 4
+    # A chunk of several tokens after the prefill (a question asked about a cached document):
+    # "exact" attends to every cached token, as a prefill of document + question would (the official
+    # pipeline's way); "selected" uses the method's selection, as decoding does.
+    chunk_attention: str = "exact"
     seed: int = 1234
     # Device block cache (per layer): blocks of `block_size` tokens, `block_cache_tokens` capacity
     # (0 = off), up to `block_admit` blocks admitted per step, "lfu" (official) or "lru" eviction.
@@ -53,10 +63,10 @@ class PQCacheConfig:
 
     def __post_init__(self):
         errors = []
-        if not _is_int(self.m) or self.m < 1:
-            errors.append(f"m (number of sub-spaces) must be a positive int, got {self.m!r}")
-        if not _is_int(self.bits) or not 1 <= self.bits <= 8:
-            errors.append(f"bits must be an int in 1..8 so that codes fit in uint8, got {self.bits!r}")
+        if self.m is not None and (not _is_int(self.m) or self.m < 1):
+            errors.append(f"m (number of sub-spaces) must be None or a positive int, got {self.m!r}")
+        if self.bits is not None and (not _is_int(self.bits) or not 1 <= self.bits <= 8):
+            errors.append(f"bits must be None or an int in 1..8 so that codes fit in uint8, got {self.bits!r}")
         b = self.token_budget
         if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
             errors.append(f"token_budget must be > 0 (a fraction in (0, 1] or a token count), got {b!r}")
@@ -78,6 +88,10 @@ class PQCacheConfig:
             errors.append(f"metric must be 'l2' or 'ip', got {self.metric!r}")
         if self.gqa_combine not in ("softmax_sum", "sum"):
             errors.append(f"gqa_combine must be 'softmax_sum' or 'sum', got {self.gqa_combine!r}")
+        if self.chunk_attention not in ("exact", "selected"):
+            errors.append(f"chunk_attention must be 'exact' or 'selected', got {self.chunk_attention!r}")
+        if not _is_int(self.rerank) or self.rerank < 1:
+            errors.append(f"rerank must be an int >= 1 (1: PQ scores alone), got {self.rerank!r}")
         if not _is_int(self.block_size) or self.block_size < 1:
             errors.append(f"block_size must be an int >= 1, got {self.block_size!r}")
         elif not _is_int(self.block_cache_tokens) or self.block_cache_tokens < 0 \
@@ -107,7 +121,30 @@ class PQCacheConfig:
 
     @property
     def n_centroids(self) -> int:
+        if self.bits is None:
+            raise PQCacheConfigError("bits=None is chosen per cache from its length: use bits_for(n_tokens, head_dim)")
         return 1 << self.bits
+
+    def for_head_dim(self, head_dim: int) -> PQCacheConfig:
+        """A copy with m chosen for the model (when None): the fewest sub-spaces of at most 64
+        dimensions that divide head_dim."""
+        m = self.m
+        if m is None:
+            m = next(d for d in range(max(1, -(-head_dim // 64)), head_dim + 1) if head_dim % d == 0)
+        config = replace(self, m=m)
+        config.check_head_dim(head_dim)
+        return config
+
+    def bits_for(self, n_tokens: int, head_dim: int) -> int:
+        """Bits per code for a codebook over n_tokens keys: the setting, or (None) the most, from 4 to
+        8, whose codes (m bytes a token) and float32 centroids (2**bits x head_dim x 4 bytes) stay
+        within 1/16 of the fp16 keys (2 x head_dim bytes a token)."""
+        if self.bits is not None:
+            return self.bits
+        m = self.m or 1
+        room = n_tokens * 2 * head_dim / 16 - m * n_tokens
+        fits = [b for b in range(4, 9) if (1 << b) * head_dim * 4 <= room]
+        return max(fits, default=4)
 
     @property
     def is_absolute_budget(self) -> bool:
@@ -131,7 +168,7 @@ class PQCacheConfig:
         return n_init, n_topk, n_local
 
     def check_head_dim(self, head_dim: int) -> None:
-        if head_dim % self.m:
+        if self.m is not None and head_dim % self.m:
             raise PQCacheConfigError(
                 f"m={self.m} must divide the model's head_dim={head_dim} (try one of "
                 f"{[d for d in (1, 2, 4, 8, 16, 32) if head_dim % d == 0]})"

@@ -82,9 +82,11 @@ class Instrumentation:
         self.attention.append({"layer": layer, "step": step, "n_tokens": n, "rank": (ranks + 1).tolist(),
                                "prob": probs_sorted[ranks].tolist()})
 
-    def record_recall(self, layer: int, step: int, topk_recall: list[float], mass_recall: list[float], k: int):
+    def record_recall(self, layer: int, step: int, topk_recall: list[float], mass_recall: list[float], k: int,
+                      qhead_recall: list[float] | None = None):
+        """topk_recall, mass_recall per KV head; qhead_recall per query head (its own exact top-k)."""
         self.recall.append({"layer": layer, "step": step, "k": k, "topk_recall": topk_recall,
-                            "mass_recall": mass_recall})
+                            "mass_recall": mass_recall, "qhead_recall": qhead_recall})
 
     def record_selection(self, layer: int, step: int, positions: list[list[list[int]]]):
         """positions[b][h]: the token positions that row b, KV head h attended to at this step."""

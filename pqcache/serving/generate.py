@@ -1,7 +1,9 @@
-"""Greedy generation with a prefill / decode_one_token split, timed, for the CLI and the app."""
+"""Greedy generation, gpt-fast style: prefill / decode_one_token / decode_n_tokens, the one loop used by
+the CLI's generate, the document session's answers and the evaluation."""
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -38,10 +40,54 @@ def decode_one_token(model, token: torch.Tensor, cache) -> torch.Tensor:
     return model(input_ids=token, cache=cache, use_cache=True).logits[:, -1]
 
 
+def eos_token_ids(model, tokenizer=None) -> set[int]:
+    """The ids that end a generation: the model's generation_config eos_token_id (an id or a list) and the
+    tokenizer's eos_token_id."""
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = set(gen if isinstance(gen, (list, tuple)) else [gen])
+    eos.add(getattr(tokenizer, "eos_token_id", None))
+    eos.discard(None)
+    return eos
+
+
+@dataclass
+class Decoded:
+    tokens: list[int] = field(default_factory=list)
+    stopped: bool = False  # `stop` was set before the next token
+
+
+@torch.no_grad()
+def decode_n_tokens(model, logits: torch.Tensor, cache, max_new_tokens: int, eos=frozenset(), on_token=None,
+                    stop=None, lock=None) -> Decoded:
+    """Greedy decode of one row from the prefill's next-token logits (1, V), at most max_new_tokens tokens.
+
+    Ends at an EOS id (not kept), after max_new_tokens (no forward is run for a token that is not kept), or when
+    `stop` (a threading.Event) is set before the next token. on_token(tokens) is called after each token with the
+    tokens so far; `lock` (a context manager) is held around each forward."""
+    out = Decoded()
+    for _ in range(max_new_tokens):
+        if stop is not None and stop.is_set():
+            out.stopped = True
+            break
+        token = logits.argmax(-1, keepdim=True)  # (1, 1)
+        tid = int(token)
+        if tid in eos:
+            break
+        out.tokens.append(tid)
+        if on_token is not None:
+            on_token(out.tokens)
+        if len(out.tokens) == max_new_tokens:
+            break
+        with lock if lock is not None else nullcontext():
+            logits = decode_one_token(model, token, cache)
+    return out
+
+
 def cache_bytes(cache) -> dict:
     if isinstance(cache, PQCache):
         return cache.stats()
-    return {"device_kv_bytes": sum(kv_bytes(layer) for layer in cache.layers), "host_kv_bytes": 0, "pq_bytes": 0, "kmeans_iters": None}
+    return {"device_kv_bytes": sum(kv_bytes(layer) for layer in cache.layers), "host_kv_bytes": 0, "pq_bytes": 0,
+            "kmeans_iters": None}
 
 
 @dataclass
@@ -59,25 +105,13 @@ def generate(model, tokenizer, prompt: str, method: str = "pqcache", config: PQC
     device = next(model.parameters()).device
     input_ids = tokenizer(prompt, return_tensors="pt").input_ids.to(device)
     cache = make_cache(model, method, config)
-    gen_eos = model.generation_config.eos_token_id
-    eos = set(gen_eos if isinstance(gen_eos, list) else [gen_eos]) | {tokenizer.eos_token_id}
-    eos.discard(None)
     t0 = time.perf_counter()
     logits = prefill(model, input_ids, cache)
     prefill_s = time.perf_counter() - t0
     out = Generation()
+    show = None if on_token is None else (lambda tokens: on_token(tokenizer.decode(tokens, skip_special_tokens=True)))
     t1 = time.perf_counter()
-    for _ in range(max_new_tokens):
-        token = logits.argmax(-1, keepdim=True)  # (1, 1)
-        tid = int(token)
-        if tid in eos:
-            break
-        out.tokens.append(tid)
-        if on_token is not None:
-            on_token(tokenizer.decode(out.tokens, skip_special_tokens=True))
-        if len(out.tokens) == max_new_tokens:
-            break
-        logits = decode_one_token(model, token, cache)
+    out.tokens = decode_n_tokens(model, logits, cache, max_new_tokens, eos_token_ids(model, tokenizer), show).tokens
     decode_s = time.perf_counter() - t1
     out.text = tokenizer.decode(out.tokens, skip_special_tokens=True)
     mem = cache_bytes(cache)

@@ -3,7 +3,8 @@
 Each user (a browser tab, a gradio_client) has an id and at most one document cache per slot
 ("qa", "teaching"). The model is shared; the caches are not. The pool
 
-  - frees a cache when its user leaves (`end`) or after `idle_s` without a request (`reap`),
+  - frees a cache when its user leaves (`end`) or after `idle_s` without a request (`reap`; idle_s None
+    or 0: never by idleness, and `start_reaper` starts no thread),
   - keeps the total bytes of resident caches under `max_bytes`: before a prefill it evicts the least
     recently used idle caches to make room (`reserve`), and refuses the prefill with CapacityError
     when busy caches alone leave no room,
@@ -58,7 +59,8 @@ def limit_malloc_arenas(n: int = 2):
 
 class SessionPool:
     def __init__(self, max_bytes: int, idle_s: float | None = 1800.0, clock=time.monotonic):
-        self.max_bytes, self.idle_s, self.clock = max_bytes, idle_s, clock
+        # idle_s None or 0: caches are never freed for idleness (only by end, free and the memory cap)
+        self.max_bytes, self.idle_s, self.clock = max_bytes, idle_s or None, clock
         self.entries: dict[str, Entry] = {}
         self.lock = threading.RLock()
         self._reaper: threading.Thread | None = None
@@ -182,8 +184,8 @@ class SessionPool:
         release_host_memory()
 
     def reap(self) -> list[str]:
-        """Free the caches of users idle for more than idle_s; returns those users."""
-        if self.idle_s is None:
+        """Free the caches of users idle for more than idle_s; returns those users (none when idle_s is None)."""
+        if not self.idle_s:
             return []
         now, reaped = self.clock(), []
         with self.lock:
@@ -210,9 +212,12 @@ class SessionPool:
             return note
 
     def start_reaper(self, every_s: float = 5.0):
-        """A daemon thread calling reap() every `every_s` seconds."""
-        if self._reaper is not None:
+        """A daemon thread calling reap() every `every_s` seconds (> 0); none when idle_s is None (or 0), as
+        reap() would never free anything."""
+        if self._reaper is not None or not self.idle_s:
             return
+        if not every_s > 0:  # wait(0) returns at once: the loop would spin
+            raise ValueError(f"every_s must be a number of seconds > 0, got {every_s!r}")
 
         def loop():
             while not self._closing.wait(every_s):

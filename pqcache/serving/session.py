@@ -21,8 +21,10 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from pqcache.engine.cache import PQCache, decoder_layers
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled, DocumentTooLongError, InputError, NoDocumentError
-from pqcache.serving.documents import check_text
 from pqcache.engine.instrument import Instrumentation
+from pqcache.engine.shapes import head_dim_of
+from pqcache.serving.documents import check_text
+from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
 
 ANSWER_ROOM = 512  # tokens kept free for the question and the answer
 
@@ -97,7 +99,7 @@ class DocumentSession:
         sliding-window layers keep their window."""
         text_config = self.model.config.get_text_config(decoder=True)
         layer_types, kwargs = get_layer_types_and_kwargs(text_config)
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        head_dim = head_dim_of(text_config)
         n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         per_token = 2 * n_kv * head_dim * next(self.model.parameters()).element_size()
         cfg = self.config
@@ -121,7 +123,8 @@ class DocumentSession:
         if limit and n_doc > limit:
             if truncate == "refuse":
                 raise DocumentTooLongError(f"the document has {n_doc} tokens; at most {limit} fit (with room for the "
-                                           "question and answer): shorten it, or choose to cut its middle", n_doc, limit)
+                                           "question and answer): shorten it, or choose to cut its middle",
+                                           n_doc, limit)
             ids = truncate_middle(ids, limit)
         cache = PQCache(self.model, self.config, method=self.method, keep_queries=True)  # checks config vs model
         try:
@@ -134,11 +137,12 @@ class DocumentSession:
         obs = cache.instrument(timeline=True)
         n_layers = len(cache.layers)
         on_layer = None if progress is None else (
-            lambda idx: progress(0.9 * (idx + 1) / n_layers, f"prefill: {ids.shape[1]} tokens, layer {idx + 1}/{n_layers}"))
+            lambda idx: progress(0.9 * (idx + 1) / n_layers,
+                                 f"prefill: {ids.shape[1]} tokens, layer {idx + 1}/{n_layers}"))
         try:
             with self.lock, layer_hooks(self.model, on_layer, stop):
                 t0 = time.perf_counter()
-                self.model(ids, cache=cache, logits_to_keep=1)
+                prefill(self.model, ids, cache)
                 self.prefill_s = time.perf_counter() - t0
             for i, layer in enumerate(cache.pq_layers):
                 if progress is not None:
@@ -179,33 +183,27 @@ class DocumentSession:
         if observer is not None:
             cache.instrument(observer)
         q_ids = self.tokenizer("\n\n" + question.strip(), add_special_tokens=False, return_tensors="pt").input_ids
-        eos = self.model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, list) else [eos]) | {self.tokenizer.eos_token_id}
         answer = Answer()
         t0 = time.perf_counter()
+
+        def show(tokens):
+            answer.tokens = tokens
+            answer.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
+            answer.seconds = time.perf_counter() - t0
+            if on_token is not None:
+                on_token(answer)
+
         try:
             try:
                 with self.lock, layer_hooks(self.model, None, stop):
-                    logits = self.model(q_ids.to(self.device), cache=cache, logits_to_keep=1).logits[:, -1]
+                    logits = prefill(self.model, q_ids.to(self.device), cache)
             except Cancelled:  # stopped while reading the question
                 answer.stopped = True
-                max_new_tokens = 0
-            for _ in range(max_new_tokens):
-                if stop is not None and stop.is_set():
-                    answer.stopped = True
-                    break
-                token = int(logits.argmax(-1))
-                if token in eos:
-                    break
-                answer.tokens.append(token)
-                answer.text = self.tokenizer.decode(answer.tokens, skip_special_tokens=True)
-                answer.seconds = time.perf_counter() - t0
-                if on_token is not None:
-                    on_token(answer)
-                if len(answer.tokens) == max_new_tokens:
-                    break
-                with self.lock:
-                    logits = self.model(torch.tensor([[token]], device=self.device), cache=cache).logits[:, -1]
+            else:  # the next token's check of `stop` ends the answer (Stop halts at the next token)
+                eos = eos_token_ids(self.model, self.tokenizer)
+                decoded = decode_n_tokens(self.model, logits, cache, max_new_tokens, eos, show, stop=stop,
+                                          lock=self.lock)
+                answer.tokens, answer.stopped = decoded.tokens, decoded.stopped
         finally:
             self.last_stats = cache.stats()
             cache.close()

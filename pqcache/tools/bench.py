@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.layer.layer import PQLayer
+from pqcache.engine.methods.pqcache import rerank_exact
 from pqcache.engine.shapes import head_dim_of
 
 
@@ -47,7 +48,7 @@ class InlineExecutor:
 
 def filled_layer(keys, values, config: PQCacheConfig, iters: int = 10, method=None) -> PQLayer:
     """A PQLayer prefilled with keys/values (B, H, S, D) (on the compute device), PQ built."""
-    layer = PQLayer(config, 0, InlineExecutor(), lambda s: iters, method)
+    layer = PQLayer(config.for_head_dim(keys.shape[-1]), 0, InlineExecutor(), lambda s: iters, method)
     layer.update(keys, values)
     layer.finish_prefill(torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device))
     layer.wait_pq()
@@ -55,10 +56,13 @@ def filled_layer(keys, values, config: PQCacheConfig, iters: int = 10, method=No
 
 
 def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128, budget=0.1,
-                    m=2, bits=6, repeats=15, seed=0, device="cpu", dtype=torch.float32) -> list[dict]:
+                    m=None, bits=None, rerank=None, repeats=15, seed=0, device="cpu", dtype=torch.float32) -> list[dict]:
     """One decode step of one layer (Llama-3.1-8B head shapes): dense SDPA over s tokens against the
-    PQCache step (PQ search + top-k + gather + attention + appending the new token). The block cache
-    is off here: on a CPU the device and host tiers are the same memory (see `bench blockcache`)."""
+    PQCache step (PQ search + exact re-rank + top-k + gather + attention + appending the new token),
+    with the search's and the re-rank's share of the step. m, bits, rerank: None for the defaults.
+    The block cache is off here: on a CPU the device and host tiers are the same memory (see
+    `bench blockcache`)."""
+    settings = {k: v for k, v in {"m": m, "bits": bits, "rerank": rerank}.items() if v is not None}
     gen = torch.Generator().manual_seed(seed)
     rows = []
     scaling = head_dim ** -0.5
@@ -70,7 +74,7 @@ def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128,
     for s in seq_lens:
         keys = rand(1, n_kv, s, head_dim)
         values = rand(1, n_kv, s, head_dim)
-        cfg = PQCacheConfig(m=m, bits=bits, token_budget=budget, kmeans_iters=10, block_cache_tokens=0)
+        cfg = PQCacheConfig(token_budget=budget, kmeans_iters=10, block_cache_tokens=0, **settings).for_head_dim(head_dim)
         layer = filled_layer(keys, values, cfg)
         q = rand(1, n_q, 1, head_dim)
         k_new = rand(1, n_kv, 1, head_dim)
@@ -84,19 +88,28 @@ def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128,
             layer.update(k_new, v_new)
             layer.attend(q, valid, scaling)
 
-        def search():
-            layer.select(q.reshape(1, n_kv, n_q // n_kv, head_dim), scaling)
+        q_rows = q.reshape(1, n_kv, n_q // n_kv, head_dim) * scaling
+        view = layer.view()
+        ks = view.ks
+        wide = [min(cfg.rerank * k, int(n)) for k, n in zip(ks, view.candidates.sum(1).tolist(), strict=True)]
+        qs = layer.method.search(view, q_rows, wide)
 
-        for fn in (dense, pq_step, search):  # warm-up
+        def search():  # both stages
+            layer.select(q_rows, 1.0)
+
+        def rerank_stage():
+            rerank_exact(view, q_rows, *qs, ks, cfg.gqa_combine)
+
+        for fn in (dense, pq_step, search, rerank_stage):  # warm-up
             fn()
-        dense_ms, pq_ms, search_ms = [], [], []
+        times = {"dense": [], "pq": [], "search": [], "rerank": []}
         for _ in range(repeats):  # interleaved, so machine noise hits both alike
-            dense_ms.append(_median_ms(dense, 1, sync))
-            pq_ms.append(_median_ms(pq_step, 1, sync))
-            search_ms.append(_median_ms(search, 1, sync))
-        d, p, sr = (statistics.median(x) for x in (dense_ms, pq_ms, search_ms))
-        rows.append({"seq_len": s, "dense_ms": round(d, 3), "pqcache_ms": round(p, 3),
-                     "speedup": round(d / p, 2), "search_share": round(min(sr / p, 1.0), 3)})
+            for name, fn in (("dense", dense), ("pq", pq_step), ("search", search), ("rerank", rerank_stage)):
+                times[name].append(_median_ms(fn, 1, sync))
+        d, p, sr, rr = (statistics.median(times[x]) for x in ("dense", "pq", "search", "rerank"))
+        rows.append({"seq_len": s, "m": cfg.m, "bits": layer.method_state["index"].bits, "rerank": cfg.rerank, "dense_ms": round(d, 3),
+                     "pqcache_ms": round(p, 3), "speedup": round(d / p, 2), "search_share": round(min(sr / p, 1.0), 3),
+                     "rerank_share": round(min(rr / p, 1.0), 3)})
     return rows
 
 

@@ -12,11 +12,16 @@ from pqcache.serving.loading import ModelNotFoundError
 from pqcache.engine.methods import METHODS
 
 
+def _opt_ints(text: str) -> tuple:
+    """"auto,2,4" -> (None, 2, 4): None stands for the default choice."""
+    return tuple(None if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip())
+
+
 def _budget(text: str):
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"token budget must be a number, got {text!r}")
+        raise argparse.ArgumentTypeError(f"token budget must be a number, got {text!r}") from None
     return int(value) if value > 1 and value.is_integer() else value
 
 
@@ -39,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default="auto")
     g.add_argument("--m", type=int, default=PQCacheConfig.m)
     g.add_argument("--bits", type=int, default=PQCacheConfig.bits)
+    g.add_argument("--rerank", type=int, default=PQCacheConfig.rerank, help="exact re-rank of rerank x k candidates")
     g.add_argument("--token-budget", type=_budget, default=PQCacheConfig.token_budget,
                    help="fraction of the context (0.2) or a token count (1024)")
     g.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
@@ -54,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=None)
     b.add_argument("--repeats", type=int, default=None)
     b.add_argument("--shapes", choices=["llama", "gemma"], default="llama", help="decode: head shapes")
+    b.add_argument("--m", type=int, default=None, help="attention: sub-spaces (default: from head_dim)")
+    b.add_argument("--bits", type=int, default=None, help="attention: bits per code (default: from the length)")
+    b.add_argument("--rerank", type=int, default=None, help="attention: re-rank factor (default: the config's)")
     b.add_argument("--new-tokens", type=int, default=256, help="blockcache: tokens generated")
     b.add_argument("--model", default="default", help="ttft, blockcache: the model")
     b.add_argument("--device", default="auto")
@@ -74,6 +83,14 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
     e.add_argument("--n-local", type=int, default=None)
     e.add_argument("--context-tokens", type=int, default=4096, help="recall: essay tokens used")
+    e.add_argument("--rerank", type=int, default=PQCacheConfig.rerank, help="exact re-rank of rerank x k candidates")
+    e.add_argument("--chunk-attention", choices=["exact", "selected"], default=PQCacheConfig.chunk_attention,
+                   help="a question after a cached document: every cached token, or the selection")
+    e.add_argument("--ms", type=_opt_ints, default=(None, 2, 4), help="recall: m values ('auto' for the default)")
+    e.add_argument("--bits-list", type=_opt_ints, default=(None, 6, 8), help="recall: bits values ('auto' too)")
+    e.add_argument("--reranks", type=_opt_ints, default=(1, 2, 4, 8), help="recall: re-rank factors")
+    e.add_argument("--budgets", type=lambda t: tuple(_budget(x) for x in t.split(",")), default=(0.1,),
+                   help="recall: token budgets")
     e.add_argument("--json", action="store_true")
 
     d = sub.add_parser("datasets", help="write case files offline (needle in a haystack, RULER-style)")
@@ -116,7 +133,7 @@ def cmd_generate(args) -> int:
         context = read_document(str(args.context_file), encoding=args.encoding)
     config = PQCacheConfig(m=args.m, bits=args.bits, token_budget=args.token_budget, n_init=args.n_init,
                            n_local=args.n_local, kmeans_iters=args.kmeans_iters,
-                           block_cache_tokens=args.block_cache_tokens, cache_policy=args.cache_policy)
+                           block_cache_tokens=args.block_cache_tokens, cache_policy=args.cache_policy, rerank=args.rerank)
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
     prompt = build_prompt(tok, context, args.question)
     printed = [0]
@@ -170,7 +187,10 @@ def cmd_bench(args) -> int:
         device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
         device = "cpu" if device == "auto" else device
         kw.update(device=device, dtype=torch.bfloat16 if device.startswith("cuda") else torch.float32)
-        rows = bench.bench_attention(**kw) if args.which == "attention" else bench.bench_decode(shapes=args.shapes, **kw)
+        if args.which == "attention":
+            rows = bench.bench_attention(m=args.m, bits=args.bits, rerank=args.rerank, **kw)
+        else:
+            rows = bench.bench_decode(shapes=args.shapes, **kw)
     elif args.which == "memory":
         kw.pop("repeats", None)
         rows = bench.bench_memory(**kw)
@@ -223,13 +243,14 @@ def cmd_eval(args) -> int:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     cases = evaluate.load_cases(args.cases) if args.mode is None else None
     config = PQCacheConfig(m=args.m, bits=args.bits, token_budget=args.token_budget, n_init=args.n_init,
-                           n_local=args.n_local)
+                           n_local=args.n_local, rerank=args.rerank, chunk_attention=args.chunk_attention)
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
     if args.mode == "recall":
         from pqcache.tools.datasets import essays_text
 
         text = tok.decode(tok(essays_text()).input_ids[1:args.context_tokens])
-        rows = evaluate.recall_study(model, tok, text)
+        rows = evaluate.recall_study(model, tok, text, ms=args.ms, bits_list=args.bits_list, reranks=args.reranks,
+                                     budgets=args.budgets)
         print(json.dumps({"rows": rows}) if args.json else _table(rows))
         return 0
     from tqdm import tqdm

@@ -47,8 +47,9 @@ BYTES = 2  # bf16
 
 def estimate(model: str, context: int, batch: int, gpu: str, link: str, config: PQCacheConfig | None = None,
              hit_rate: float = 0.6) -> dict:
-    cfg = config or PQCacheConfig()
     sh = MODELS[model]
+    cfg = (config or PQCacheConfig()).for_head_dim(sh.head_dim)
+    n_centroids = 1 << cfg.bits_for(context, sh.head_dim)
     mem_gib, hbm, tflops = GPUS[gpu]
     per_token = 2 * sh.kv_heads * sh.head_dim * BYTES  # K and V of one token in one layer
     sliding = (sh.layers - sh.full_layers) * min(context, sh.sliding_window) * per_token * batch
@@ -56,13 +57,13 @@ def estimate(model: str, context: int, batch: int, gpu: str, link: str, config: 
     n_init, k, n_local = cfg.split(context)
     cache = min(cfg.block_cache_tokens, context // 4)
     device = sh.full_layers * (n_init + n_local + k + cache) * per_token * batch + sliding
-    pq = sh.full_layers * sh.kv_heads * batch * (cfg.m * context + cfg.n_centroids * sh.head_dim * 4)
+    pq = sh.full_layers * sh.kv_heads * batch * (cfg.m * context + n_centroids * sh.head_dim * 4)
     link_bytes = sh.full_layers * k * (1 - hit_rate) * per_token * batch
     full_s = full / (hbm * 1e9)
     pq_s = (device + pq) / (hbm * 1e9) + link_bytes / (LINKS[link] * 1e9)
     prefill_s = (2 * sh.params * context * batch + 4 * sh.layers * sh.d_model * context ** 2 * batch) / (tflops * 1e12)
     # K-Means: s points x 2^bits centroids x d_h flops x 2, per KV head and full layer, per iteration
-    b1 = 2 * cfg.n_centroids * sh.head_dim * sh.kv_heads * sh.full_layers * batch / CPU_KMEANS_FLOPS
+    b1 = 2 * n_centroids * sh.head_dim * sh.kv_heads * sh.full_layers * batch / CPU_KMEANS_FLOPS
     t_max = int(min(max(prefill_s / max(b1 * context, 1e-12), 3), 300))
     weights = sh.params * BYTES
     return {

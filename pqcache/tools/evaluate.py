@@ -14,6 +14,7 @@ import torch
 
 from pqcache.engine.cache import PQCache
 from pqcache.engine.config import PQCacheConfig
+from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
 
 REQUIRED = ("id", "context", "question", "answers")
 
@@ -66,25 +67,17 @@ def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheCo
         prefill_ids = ctx_ids
     base = PQCache(model, config, method="pqcache", keep_queries=True)
     t0 = time.perf_counter()
-    logits = model(prefill_ids, cache=base, logits_to_keep=1).logits[:, -1]
+    logits = prefill(model, prefill_ids, base)
     base.wait()
     prefill_s = time.perf_counter() - t0
-    eos = model.generation_config.eos_token_id
-    eos = set(eos if isinstance(eos, list) else [eos]) | {tokenizer.eos_token_id}
+    eos = eos_token_ids(model, tokenizer)
     extra = {k: v for k, v in case.items() if k not in ("context", "question", "answers", "needle")}
     rows = []
     for method in methods:
         cache = base.fork(method)
         t1 = time.perf_counter()
-        first = logits if case.get("query_aware", True) else model(q_ids, cache=cache, logits_to_keep=1).logits[:, -1]
-        tokens, token = [], first
-        for i in range(max_new_tokens):
-            tid = int(token.argmax(-1))
-            if tid in eos:
-                break
-            tokens.append(tid)
-            if i + 1 < max_new_tokens:
-                token = model(torch.tensor([[tid]], device=device), cache=cache).logits[:, -1]
+        first = logits if case.get("query_aware", True) else prefill(model, q_ids, cache)
+        tokens = decode_n_tokens(model, first, cache, max_new_tokens, eos).tokens
         decode_s = time.perf_counter() - t1
         prediction = tokenizer.decode(tokens, skip_special_tokens=True)
         rows.append({**extra, "id": case["id"], "method": method, "prediction": prediction,
@@ -110,43 +103,60 @@ def summarize(rows: list[dict], group_by: list[str] | None = None) -> list[dict]
 
 
 @torch.no_grad()
-def recall_study(model, tokenizer, context: str, ms=(1, 2, 4, 8), bits_list=(4, 6, 8),
-                 budgets=(0.2, 0.1, 0.05), n_queries: int = 16, iters: int = 20) -> list[dict]:
-    """PQ top-k recall and attention-mass recall against exact scores on the model's real keys: the
-    full-attention layers' keys of one prefill, the last n_queries prefill queries as queries."""
-    from pqcache.tools.bench import filled_layer
+def recall_study(model, tokenizer, context: str, ms=(None, 2, 4), bits_list=(None, 6, 8), reranks=(1, 2, 4, 8),
+                 budgets=(0.1,), n_queries: int = 16, iters: int = 20) -> list[dict]:
+    """Top-k recall of the selection as it works (PQ search, then the exact re-rank of rerank x k
+    candidates) against the exact top-k under the same rule (same candidates, same GQA combine, same
+    k), per KV head and per query head (each query head's own exact top-k), and the share of the
+    exact attention mass on the attended tokens (sinks + top-k + window). On the model's real keys:
+    the full-attention layers' keys of one prefill, the last n_queries prefill queries as queries.
+    m or bits None: the defaults (chosen from head_dim and the context length)."""
+    from dataclasses import replace
+
+    from pqcache.engine.layer.probe import per_query_head_recall
     from pqcache.engine.methods.base import combine_rows, topk_positions
+    from pqcache.tools.bench import filled_layer
 
     device = next(model.parameters()).device
     ids = tokenizer(context, return_tensors="pt").input_ids.to(device)
     base = PQCache(model, PQCacheConfig(kmeans_iters=1), method="full", keep_queries=True)
-    model(ids, cache=base, logits_to_keep=1)
+    prefill(model, ids, base)
     rows = []
     for layer in base.pq_layers:
-        S = layer.S
-        keys = layer.k_host[:, :, :S].clone()
-        G = layer.prefill_q.shape[1] // layer.H
+        S, H = layer.S, layer.host.H
+        keys = layer.host.keys(0, S).clone()
+        G = layer.prefill_q.shape[1] // H
+        queries = [layer.prefill_q[:, :, t : t + 1].reshape(1, H, G, -1).float() * layer.scaling
+                   for t in range(S - n_queries, S)]
         for m in ms:
             for bits in bits_list:
                 for budget in budgets:
                     cfg = PQCacheConfig(m=m, bits=bits, token_budget=budget, kmeans_iters=iters, block_cache_tokens=0)
-                    pql = filled_layer(keys, keys, cfg, iters=iters)
-                    recalls, masses = [], []
-                    for t in range(S - n_queries, S):
-                        q = layer.prefill_q[:, :, t:t + 1].reshape(1, layer.H, G, -1).float() * layer.scaling
-                        top, valid = pql.select(q, 1.0)
-                        cand = pql.candidates()
-                        exact = (keys.float() @ q.transpose(-1, -2))  # (1, H, S, G)
-                        ks = pql.topk_counts()
-                        etop, evalid = topk_positions(combine_rows(exact, cand, cfg.gqa_combine), ks, top.shape[2])
-                        chosen = torch.zeros((1, layer.H, S), dtype=torch.bool).scatter_(2, top, valid)
-                        ref = torch.zeros_like(chosen).scatter_(2, etop, evalid)
-                        recalls.append(((chosen & ref).sum(-1) / ref.sum(-1).clamp(min=1)).mean().item())
-                        probs = exact.transpose(2, 3).softmax(-1)  # (1, H, G, S)
-                        attended = chosen | ~cand[:, None, :]
-                        masses.append((probs * attended[:, :, None, :]).sum(-1).mean().item())
-                    rows.append({"layer": layer.layer_idx, "m": m, "bits": bits, "m_x_bits": m * bits,
-                                 "budget": budget, "topk_recall": round(sum(recalls) / len(recalls), 4),
-                                 "mass_recall": round(sum(masses) / len(masses), 4)})
+                    pql = filled_layer(keys, keys, cfg, iters=iters)  # one build serves every rerank
+                    for rerank in reranks:
+                        pql.config = replace(pql.config, rerank=rerank)
+                        acc = {"recall": [], "mass_recall": [], "qhead": []}
+                        for q in queries:
+                            top, valid = pql.select(q, 1.0)
+                            cand, ks = pql.candidates(), pql.topk_counts()
+                            exact = keys.float() @ q.transpose(-1, -2)  # (1, H, S, G)
+                            comb = combine_rows(exact, cand, cfg.gqa_combine)
+                            etop, evalid = topk_positions(comb, ks, top.shape[2])
+                            chosen = torch.zeros((1, H, S), dtype=torch.bool).scatter_(2, top, valid)
+                            ref = torch.zeros_like(chosen).scatter_(2, etop, evalid)
+                            acc["recall"].append(((chosen & ref).sum(-1) / ref.sum(-1).clamp(min=1)).mean().item())
+                            probs = exact.transpose(2, 3).softmax(-1)  # (1, H, G, S)
+                            attended = chosen | ~cand[:, None, :]
+                            acc["mass_recall"].append((probs * attended[:, :, None, :]).sum(-1).mean().item())
+                            qh = per_query_head_recall(exact.transpose(2, 3), cand, chosen, max(ks), G)
+                            acc["qhead"].append(qh.mean().item())
+                        rows.append({"layer": layer.layer_idx, "m": pql.config.m,
+                                     "bits": pql.method_state["index"].bits, "rerank": rerank, "budget": budget,
+                                     "recall": _mean(acc["recall"]), "mass_recall": _mean(acc["mass_recall"]),
+                                     "qhead_recall": _mean(acc["qhead"])})
     base.close()
     return rows
+
+
+def _mean(xs: list[float]) -> float:
+    return round(sum(xs) / len(xs), 4)

@@ -20,12 +20,15 @@ import sys
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from pqcache.serving.settings import LoadSettings
+
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: app.py, assets/
 PASSKEY = ROOT / "assets" / "passkey_1k.txt"
 QUESTION = "What is the pass key? The pass key is"
-SETTINGS = ["pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse"]
+SETTINGS = LoadSettings()  # the app's load form, at its defaults
 # replies that are a readable message, not a failure: the server is full, or evicted this user
 MESSAGES = ("**Error:**", "Load a document first", "Your document was unloaded", "Stopped:", "Error: load a document")
 
@@ -53,7 +56,7 @@ def running_app(*flags, startup_s: float = 300.0):
                 break
             except OSError:
                 if time.time() > deadline:
-                    raise RuntimeError(f"app.py did not start within {startup_s:.0f} s")
+                    raise RuntimeError(f"app.py did not start within {startup_s:.0f} s") from None
                 time.sleep(0.5)
         yield f"http://127.0.0.1:{port}/", proc
     finally:
@@ -105,10 +108,10 @@ class User:
         self.records.append({"kind": kind, "outcome": outcome, "seconds": time.perf_counter() - t0,
                              "reply": reply[:160]})
 
-    def _load(self, path=None, text="", settings=SETTINGS):
+    def _load(self, path=None, text="", settings: LoadSettings = SETTINGS):
         from gradio_client import handle_file
 
-        job = self.client.submit(handle_file(str(path)) if path else None, text, *settings,
+        job = self.client.submit(handle_file(str(path)) if path else None, text, *settings.values(),
                                  api_name="/load_document")
         return job.result(timeout=self.timeout)[0]
 
@@ -137,7 +140,7 @@ class User:
             self._call("ask+stop", lambda: self._ask(64, stop_after=2))
         elif r < 0.9:
             bad = self.rng.choice(self.bad_files + [None])
-            settings = SETTINGS if bad else ["pqcache", 3, *SETTINGS[2:]]  # m=3 does not divide head_dim
+            settings = SETTINGS if bad else replace(SETTINGS, m=3)  # m=3 does not divide head_dim
             self._call("bad input", lambda: self._load(bad, "some text" if bad is None else "", settings))
         else:
             self._call("unload", lambda: self.client.predict(api_name="/unload_document")[0])

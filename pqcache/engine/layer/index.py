@@ -33,16 +33,19 @@ class BuildFault(Exception):
 
 class PQIndex:
     def __init__(self, host: HostTier, config: PQCacheConfig, executor: Executor, iters_for, closed: threading.Event,
-                 span=None):
+                 span=None, bits: int | None = None):
+        """bits: per code (None: config.bits_for the stored tokens); fixed for the index's life."""
         self.host, self.config, self.executor, self.iters_for = host, config, executor, iters_for
         self.closed = closed  # set when the cache closes: a running build stops at its next head
         self.span = span  # span(lane) -> context manager for the timeline (None: not observed)
         B, H, m = host.B, host.H, config.m
+        self.bits = bits or config.bits_for(host.S, host.D)
+        self.C = 1 << self.bits  # centroids per sub-space
         self.device = host.device
         self.codes = torch.zeros((B, H, m, 0), dtype=torch.uint8, device=self.device)
         # Small code spaces (C^m <= 2^16, e.g. m=2, bits<=8) are searched tuple by tuple (methods/pqcache.py):
         # joint = (b*H + h) * C^m + the tuple's index, one int32 per token and head.
-        self.n_tuples = config.n_centroids**m
+        self.n_tuples = self.C**m
         self.use_tuples = self.n_tuples <= 1 << 16
         self.joint = torch.zeros((B, H, 0), dtype=torch.int32, device=self.device) if self.use_tuples else None
         self.segments: list[tuple[int, torch.Tensor]] = []  # (start position, centroids (B, H, m, C, d))
@@ -72,7 +75,7 @@ class PQIndex:
         host, cfg = self.host, self.config
         with self._span("host clustering"):
             keys = host.keys(start, end)  # (B, H, n, D) on the host
-            m, C, d = cfg.m, cfg.n_centroids, host.D // cfg.m
+            m, C, d = cfg.m, self.C, host.D // cfg.m
             cents = torch.empty((host.B, host.H, m, C, d), dtype=torch.float32)
             searchable = host.searchable[:, start:end].cpu()
             for b in range(host.B):
@@ -157,7 +160,7 @@ class PQIndex:
         self.codes[..., start:end] = codes
         if self.joint is None:
             return
-        C, m = self.config.n_centroids, self.config.m
+        C, m = self.C, self.config.m
         j = codes[:, :, 0].to(torch.int32)
         for i in range(1, m):
             j = j * C + codes[:, :, i]
@@ -197,7 +200,7 @@ class PQIndex:
     def fork(self, host: HostTier, executor: Executor, closed: threading.Event, span=None) -> PQIndex:
         """The same codebooks and codes over a forked host tier (the codes are copied: they are small)."""
         self.poll(block=True)
-        new = PQIndex(host, self.config, executor, self.iters_for, closed, span)
+        new = PQIndex(host, self.config, executor, self.iters_for, closed, span, self.bits)
         S = host.S
         new.codes = self.codes[..., :S].clone()
         new.joint = None if self.joint is None else self.joint[..., :S].clone()
@@ -209,4 +212,4 @@ class PQIndex:
         """Codes (m bytes per token and head) and centroids (float32), as stored on the device."""
         B, H, S = self.host.B, self.host.H, self.host.S
         cfg = self.config
-        return B * H * (cfg.m * S + len(self.segments or [0]) * cfg.n_centroids * self.host.D * 4)
+        return B * H * (cfg.m * S + len(self.segments or [0]) * self.C * self.host.D * 4)

@@ -32,7 +32,7 @@ from pqcache.engine.layer.host import HostTier
 from pqcache.engine.layer.probe import probe
 from pqcache.engine.layer.view import LayerView
 from pqcache.engine.layer.window import DeviceWindow
-from pqcache.engine.methods.base import Method
+from pqcache.engine.methods.base import Method, positions_of
 from pqcache.engine.methods.full import Full
 
 
@@ -66,7 +66,7 @@ class PQLayer(CacheLayerMixin):
     # ---- transformers Cache layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
         B, H, _, D = key_states.shape
-        self.config.check_head_dim(D)
+        self.config = self.config.for_head_dim(D)  # m chosen for the head size when unset
         self.host = HostTier(B, H, D, key_states.dtype, key_states.device)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
@@ -191,7 +191,11 @@ class PQLayer(CacheLayerMixin):
         H = self.host.H
         q = query.reshape(B, H, Hq // H * Q, D)  # query heads h*G..h*G+G-1 share KV head h
 
-        top, top_valid = self.select(q, scaling)
+        exact_chunk = Q > 1 and self.config.chunk_attention == "exact"
+        if exact_chunk:  # a question after a cached document reads every cached token, as the prefill did
+            top, top_valid = positions_of(self.candidates()[:, None, :].expand(-1, H, -1))
+        else:
+            top, top_valid = self.select(q, scaling)
         self.window.ensure(top.shape[2], Q)
         moved = self.window.fetch(top, top_valid, self.span)
         self.counters["hits"] += moved["hits"]
@@ -203,6 +207,8 @@ class PQLayer(CacheLayerMixin):
         self._observe(q, scaling, top, top_valid, probs, mask, moved)
         self._append(k_new, v_new, new_valid)
         self.counters["steps"] += 1
+        if exact_chunk:  # back to the budget's size: the whole context stays on the device only for the chunk
+            self.window.resize(max(self.topk_counts()), 1)
         return out
 
     def _observe(self, q, scaling, top, top_valid, probs, mask, moved):
@@ -223,7 +229,7 @@ class PQLayer(CacheLayerMixin):
         obs.record_blocks(self.layer_idx, step, moved["hits"], moved["misses"])
         obs.moved("to_device", moved["moved"])
         if obs.wants_attention(step) or obs.wants_recall(step):
-            probe(self, obs, step, q, scaling, top, top_valid)
+            probe(self, obs, step, q, scaling, top, top_valid, mask.shape[2])
 
     def _append(self, k_new, v_new, new_valid):
         start = self._store(k_new, v_new)

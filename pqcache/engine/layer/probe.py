@@ -9,8 +9,10 @@ import torch
 from pqcache.engine.methods.base import combine_rows, topk_positions
 
 
-def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Tensor, top_valid: torch.Tensor):
-    """q (B, H, R, D) unscaled queries of the step; top, top_valid (B, H, k) what the method picked."""
+def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Tensor, top_valid: torch.Tensor,
+          n_new: int = 1):
+    """q (B, H, G*Q, D) unscaled queries of the step's n_new = Q tokens; top, top_valid (B, H, k) what
+    the method picked."""
     host = layer.host
     S, B, H = host.S, host.B, host.H
     keys = host.keys(0, S, device=layer.device, dtype=torch.float32)
@@ -32,4 +34,18 @@ def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Ten
     topk_recall = (inter / exact_set.sum(-1).clamp(min=1)).mean(0)  # (H,)
     attended = chosen | (~cand[:, None, :] & valid[:, None, :])  # sinks and window are attended too
     mass = (probs * attended[:, :, None, :]).sum(-1).mean(-1).mean(0)  # (H,)
-    obs.record_recall(layer.layer_idx, step, topk_recall.tolist(), mass.tolist(), int(top_valid.sum(-1).max()))
+    qhead = per_query_head_recall(exact, cand, chosen, top.shape[2], q.shape[2] // n_new)
+    obs.record_recall(layer.layer_idx, step, topk_recall.tolist(), mass.tolist(), int(top_valid.sum(-1).max()),
+                      qhead.tolist())
+
+
+def per_query_head_recall(exact: torch.Tensor, cand: torch.Tensor, chosen: torch.Tensor, k: int, G: int):
+    """Share of each query head's own exact top-k (among the candidates) in the shared selection:
+    exact (B, H, G*Q, S), chosen (B, H, S) -> (H*G,), averaged over rows and the step's tokens."""
+    B, H, R, S = exact.shape
+    k = min(k, int(cand.sum(1).min()))
+    if k == 0:
+        return torch.ones(H * G)
+    own = exact.masked_fill(~cand[:, None, None, :], float("-inf")).topk(k, dim=-1).indices  # (B, H, R, k)
+    hit = chosen[:, :, None, :].expand(B, H, R, S).gather(3, own).float().mean(-1)  # (B, H, R)
+    return hit.view(B, H, G, R // G).mean((0, 3)).reshape(-1)

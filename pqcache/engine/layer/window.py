@@ -64,10 +64,15 @@ class DeviceWindow:
         n = self.n_init + self.L + k_cap + q_cap
         new_k = torch.zeros((host.B, host.H, n, host.D), dtype=host.dtype, device=self.device)
         new_v = torch.zeros_like(new_k)
-        if self.k_cap or self.q_cap:
+        if getattr(self, "k", None) is not None:
             keep = self.n_init + self.L
             new_k[:, :, :keep], new_v[:, :, :keep] = self.k[:, :, :keep], self.v[:, :, :keep]
         self.k, self.v, self.k_cap, self.q_cap = new_k, new_v, k_cap, q_cap
+
+    def resize(self, k: int, q: int):
+        """Shrink (or grow) the top-k and new-token parts to exactly k and q slots."""
+        self.k_cap = self.q_cap = 0
+        self.ensure(k, q)  # a new buffer; the sinks and ring are copied over
 
     def ring_write(self, k: torch.Tensor, v: torch.Tensor, start: int):
         """Tokens at positions start..start+Q-1 into the ring (only the last L can survive)."""

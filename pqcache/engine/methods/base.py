@@ -80,13 +80,15 @@ def exact_scores(view, q: torch.Tensor) -> torch.Tensor:
 
 def combine_rows(scores: torch.Tensor, cand: torch.Tensor, mode: str) -> torch.Tensor:
     """scores (B, H, S, R) -> (B, H, S): query rows combined ("softmax_sum": softmax over the
-    candidates per row, then summed, as the official PQCache code; "sum": raw sum); others -inf."""
+    candidates per row, then summed, as the official PQCache code; "sum": raw sum); others -inf.
+    cand: (B, S) candidates shared by the heads, or (B, H, S) per head."""
+    cand = cand[:, None, :] if cand.dim() == 2 else cand  # (B, 1 or H, S)
     if mode == "softmax_sum":
         neg = torch.finfo(scores.dtype).min
-        scores = scores.masked_fill(~cand[:, None, :, None], neg).softmax(dim=2).sum(-1)
+        scores = scores.masked_fill(~cand[..., None], neg).softmax(dim=2).sum(-1)
     else:
         scores = scores.sum(-1)
-    return scores.masked_fill_(~cand[:, None, :], float("-inf"))
+    return scores.masked_fill_(~cand, float("-inf"))
 
 
 def topk_positions(scores: torch.Tensor, ks: list[int], k_max: int):

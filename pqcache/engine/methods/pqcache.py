@@ -14,7 +14,7 @@ import torch
 from pqcache.engine import pq
 from pqcache.engine.errors import PQBuildError
 from pqcache.engine.layer.index import BuildFault, PQIndex
-from pqcache.engine.methods.base import ScoreMethod, positions_of
+from pqcache.engine.methods.base import ScoreMethod, combine_rows, positions_of, select_top, topk_positions
 
 
 @dataclass
@@ -22,9 +22,10 @@ class PQCacheMethod(ScoreMethod):
     name = "pqcache"
 
     def on_prefill(self, view, query, scaling):
-        index = view.state["index"] = PQIndex(view.host, view.config, view.executor, view.iters_for, view.closed,
-                                              view.span)
         n_real = int(view.valid.sum(1).max())
+        bits = view.config.bits_for(n_real, view.D)
+        index = view.state["index"] = PQIndex(view.host, view.config, view.executor, view.iters_for, view.closed,
+                                              view.span, bits)
         index.submit(0, view.S, kind="prefill", iters=view.iters_for(n_real))
 
     def on_fork(self, view, parent_state, query, scaling):
@@ -54,10 +55,22 @@ class PQCacheMethod(ScoreMethod):
         return approx_scores(view.state["index"], q)
 
     def select(self, view, q):
+        """PQ search for rerank x k candidates, then the exact scores of those candidates pick k."""
+        ks, mode = view.ks, view.config.gqa_combine
+        n_cand = view.candidates.sum(1).tolist()
+        wide = [min(view.config.rerank * k, n) for k, n in zip(ks, n_cand, strict=True)]
+        top, valid = self.search(view, q, wide)
+        if wide == ks:  # single stage, or the budget already covers the candidates
+            return top, valid
+        return rerank_exact(view, q, top, valid, ks, mode)
+
+    def search(self, view, q, ks: list[int]):
+        """The first stage: the ks[b] best candidates of each row by PQ scores."""
         index: PQIndex = view.state["index"]
+        cand, mode, k_max = view.candidates, view.config.gqa_combine, min(max(ks), view.S)
         if index.use_tuples and view.S >= 2 * index.n_tuples:  # below that, per-tuple work costs more than it saves
-            return select_by_tuples(index, q, view.candidates, view.ks, view.k_max, view.config.gqa_combine)
-        return super().select(view, q)
+            return select_by_tuples(index, q, cand, ks, k_max, mode)
+        return select_top(self.score(view, q), cand, ks, k_max, mode)
 
     def stats(self, view):
         index = view.state.get("index")
@@ -66,6 +79,22 @@ class PQCacheMethod(ScoreMethod):
     def device_bytes(self, view):
         index = view.state.get("index")
         return 0 if index is None else index.nbytes
+
+
+def rerank_exact(view, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], mode: str):
+    """The second stage: exact q.k of the PQ candidates top (B, H, k') picks the final k of each row,
+    under the same GQA combine. It runs where the keys live (the host tier): only the query goes
+    there and only positions come back, so device memory and host-to-device bytes do not change."""
+    host = view.host
+    B, H, kw = top.shape
+    bh = torch.arange(B * H).view(B, H, 1).expand(B, H, kw).reshape(-1)
+    keys, _ = host.rows(bh, top.to(host.host).reshape(-1))  # (B*H*k', D) on the host
+    exact = keys.view(B, H, kw, -1).float() @ q.to(host.host, torch.float32).transpose(-1, -2)  # (B, H, k', R)
+    ok = valid.to(host.host)
+    combined = combine_rows(exact, ok, mode)  # (B, H, k'); top is in position order, so ties go to the earliest
+    pick, pick_valid = topk_positions(combined, ks, min(max(ks), kw))
+    pick, pick_valid = pick.to(top.device), pick_valid.to(top.device)
+    return top.gather(2, pick), pick_valid & valid.gather(2, pick)
 
 
 def approx_scores(index: PQIndex, q: torch.Tensor) -> torch.Tensor:

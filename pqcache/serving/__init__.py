@@ -1,0 +1,1 @@
+"""Serving: loading models, reading documents, document sessions, the session pool, generation."""

@@ -1,0 +1,71 @@
+"""The document form's settings: one dataclass for the app, its tests and the load test.
+
+The values arrive as typed into the page (or sent through the Gradio API): numbers may come as
+floats, strings or None. `to_config()` checks them and builds the PQCacheConfig; `values()` gives
+them in the order of the app's `/load_document` endpoint (after the file and the pasted text).
+No gradio here: the load test and the tests import it without a server.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import astuple, dataclass
+
+from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.errors import PQCacheConfigError
+
+ENCODINGS = ["utf-8", "cp1252", "latin-1", "utf-16"]  # offered for a text file; any codec name is accepted
+TOO_LONG = ["refuse", "cut the middle"]  # what to do with a document longer than the model reads
+
+
+def number(value, name: str, integer: bool = False):
+    """A setting typed into the page (or sent through the API) as a finite number."""
+    try:
+        x = float(value)
+    except (TypeError, ValueError):
+        raise PQCacheConfigError(f"{name} must be a number, got {value!r}") from None
+    if not math.isfinite(x) or (integer and not x.is_integer()):
+        raise PQCacheConfigError(f"{name} must be a {'whole ' if integer else ''}number, got {value!r}")
+    return int(x) if integer else x
+
+
+@dataclass
+class LoadSettings:
+    """The load form, in the order of its fields on the page and in the API call."""
+
+    method: str = "pqcache"
+    m: object = 2  # sub-spaces
+    bits: object = 6
+    budget: object = 0.2  # token budget: a fraction of the document, or a count
+    n_init: object = 32  # sink tokens
+    n_local: object = 0  # recent window; 0: half of what the budget leaves after the sinks
+    policy: str = "lfu"  # block-cache eviction
+    capacity: object = 1024  # block cache (tokens), rounded down to whole blocks
+    encoding: str | None = "utf-8"  # of an uploaded text file
+    too_long: str = "refuse"  # or "cut the middle"
+
+    def values(self) -> list:
+        """The form's values in the order `/load_document` takes them."""
+        return list(astuple(self))
+
+    def to_config(self, pq_timeout_s: float | None = PQCacheConfig.pq_timeout_s,
+                  block_size: int = PQCacheConfig.block_size) -> PQCacheConfig:
+        """The engine's config (PQCacheConfigError names the field typed wrong). The block cache holds whole
+        blocks of `block_size` tokens: its capacity is rounded down to a multiple of it."""
+        budget = number(self.budget, "token budget")
+        return PQCacheConfig(m=number(self.m, "m", True), bits=number(self.bits, "bits", True),
+                             token_budget=int(budget) if budget > 1 else budget,
+                             n_init=number(self.n_init, "sink tokens", True),
+                             n_local=number(self.n_local, "window", True) or None, cache_policy=self.policy,
+                             block_size=block_size,
+                             block_cache_tokens=number(self.capacity, "block cache", True) // block_size * block_size,
+                             pq_timeout_s=pq_timeout_s)
+
+    @property
+    def text_encoding(self) -> str | None:
+        """The codec for read_document: None for UTF-8 (with BOM detection)."""
+        return None if self.encoding in (None, "", "utf-8") else self.encoding
+
+    @property
+    def truncate(self) -> str:
+        """DocumentSession.load's `truncate`."""
+        return "middle" if self.too_long == "cut the middle" else "refuse"

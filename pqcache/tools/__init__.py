@@ -1,0 +1,1 @@
+"""Tools around the engine: the CLI, benchmarks, evaluation, data sets, calibration, cost model, load test."""

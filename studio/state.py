@@ -1,0 +1,22 @@
+"""The one object the app's handlers share: built in app.main() from the command line, passed to build_ui()."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pqcache.serving.pool import SessionPool
+
+
+@dataclass
+class Studio:
+    model: object
+    tokenizer: object
+    pool: SessionPool
+    pq_timeout_s: float | None = 120.0  # a K-Means build slower than this falls back to exact attention
+    concurrency: int = 2  # requests using the model at once; the rest queue
+    max_document_tokens: int | None = None  # None: what the model reads
+
+    @property
+    def model_work(self) -> dict:
+        """Event options for handlers that use the model: one concurrency group, so later requests wait in
+        the queue and see their place."""
+        return dict(concurrency_id="model", concurrency_limit=self.concurrency)

@@ -1,0 +1,26 @@
+"""The page: three tabs, each wired to its handlers around one Studio."""
+from __future__ import annotations
+
+import gradio as gr
+
+from pqcache import METHODS
+from studio.costmodel_tab import DEFAULT, build_cost_tab, cost
+from studio.qa import QATab, build_qa_tab
+from studio.state import Studio
+from studio.teaching import TeachingTab, build_teaching_tab
+
+
+def build_ui(studio: Studio) -> gr.Blocks:
+    methods = list(METHODS)
+    qa, teaching = QATab(studio), TeachingTab(studio)
+    with gr.Blocks(title="PQCache Studio") as demo:
+        gr.Markdown("# PQCache Studio\nAttention that reads only the tokens product-quantization search picks.")
+        with gr.Tab("Document Q&A"):
+            build_qa_tab(qa, methods)
+        with gr.Tab("Teaching"):
+            build_teaching_tab(teaching, methods)
+        with gr.Tab("Cost model"):
+            cost_outputs = build_cost_tab()
+        demo.load(lambda: cost(*DEFAULT), None, cost_outputs)
+        demo.unload(qa.end_user)  # a closed tab frees its caches
+    return demo

@@ -1,0 +1,158 @@
+"""The app's tabs in-process (no server): the load form's settings, the teaching tab's use of the pool and its
+errors, the idle reaper's flags. The app through a running server: test_app*.py, test_browser.py."""
+import inspect
+import threading
+import types
+from dataclasses import fields, replace
+
+import pytest
+
+from pqcache import PQCacheConfigError
+from pqcache.serving.pool import SessionPool
+from pqcache.serving.session import DocumentSession
+from pqcache.serving.settings import LoadSettings
+
+from .conftest import WordTokenizer, tiny_model
+
+USER = types.SimpleNamespace(session_hash="teacher")  # what gradio passes as the request
+FACT = "the code to open the blue door"
+
+
+def quiet(*args, **kwargs):
+    """A gr.Progress stand-in."""
+
+
+# ---- the load form's settings ------------------------------------------------------------------------------
+def test_load_settings_are_the_form_in_the_order_of_the_endpoint():
+    from studio.qa import QATab
+
+    params = list(inspect.signature(QATab.load_document).parameters)
+    form = params[params.index("pasted") + 1:params.index("request")]
+    assert form == [f.name for f in fields(LoadSettings)]
+    assert LoadSettings().values() == ["pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse"]
+    config = LoadSettings().to_config(pq_timeout_s=8)
+    assert (config.m, config.bits, config.token_budget, config.n_init, config.n_local, config.cache_policy,
+            config.block_cache_tokens, config.pq_timeout_s) == (2, 6, 0.2, 32, None, "lfu", 1024, 8)
+    assert LoadSettings(budget="300", n_local=40).to_config().token_budget == 300
+    assert LoadSettings(too_long="cut the middle").truncate == "middle" and LoadSettings().truncate == "refuse"
+    assert LoadSettings().text_encoding is None and LoadSettings(encoding="cp1252").text_encoding == "cp1252"
+    with pytest.raises(PQCacheConfigError, match="token budget must be a number, got 'a lot'"):
+        LoadSettings(budget="a lot").to_config()
+
+
+def test_block_cache_is_rounded_to_the_configured_block_size():
+    assert LoadSettings(capacity=1000).to_config().block_cache_tokens == 896  # the default block_size, 128
+    assert LoadSettings(capacity=1000).to_config(block_size=100).block_cache_tokens == 1000
+    config = LoadSettings(capacity=1000).to_config(block_size=48)
+    assert (config.block_size, config.block_cache_tokens) == (48, 960)
+    assert replace(LoadSettings(), capacity=40).to_config(block_size=64).block_cache_tokens == 0  # under one block
+
+
+# ---- --idle-minutes 0 -------------------------------------------------------------------------------------------
+def test_idle_minutes_zero_never_reaps_and_starts_no_reaper_thread(monkeypatch):
+    import app
+
+    before = set(threading.enumerate())
+    pool = app.make_pool(app.parse_args(["--idle-minutes", "0", "--max-cache-gib", "1"]))
+    try:
+        assert pool.idle_s is None and pool._reaper is None
+        assert [t for t in threading.enumerate() if t not in before and t.name == "pqcache-reaper"] == []
+        entry = pool.entry("ann")
+        entry.sessions["qa"], entry.last_used = types.SimpleNamespace(close=quiet), pool.clock() - 10**6
+        assert pool.reap() == [] and "qa" in pool.entry("ann").sessions  # idle for days: kept
+    finally:
+        pool.close()
+    pool = SessionPool(max_bytes=2**30, idle_s=0)  # the pool on its own: 0 means the same
+    pool.start_reaper(every_s=0)
+    try:
+        assert pool.idle_s is None and pool._reaper is None
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="every_s"):  # a reaper that would spin is refused
+        SessionPool(max_bytes=2**30, idle_s=60).start_reaper(every_s=0)
+    with pytest.raises(SystemExit):  # a negative time is refused at the command line
+        app.parse_args(["--idle-minutes", "-1"])
+    pool = app.make_pool(app.parse_args(["--idle-minutes", "30", "--max-cache-gib", "1"]))
+    try:
+        assert pool.idle_s == 1800 and pool._reaper.is_alive()
+    finally:
+        pool.close()
+
+
+# ---- teaching -----------------------------------------------------------------------------------------------
+@pytest.fixture
+def teaching(tmp_path):
+    """The teaching tab on a tiny model and a short document with the first fact in it."""
+    from studio import Studio
+    from studio.teaching import TeachingTab
+
+    words = [f"w{i % 37}" for i in range(240)]
+    words[150:150] = f"{FACT} is 4721 .".split()
+    doc = tmp_path / "teaching.txt"
+    doc.write_text(" ".join(words), encoding="utf-8")
+    studio = Studio(tiny_model("llama"), WordTokenizer(), SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=60)
+    yield TeachingTab(studio, document=str(doc))
+    studio.pool.close()
+
+
+def run(tab):
+    state, status, rows, strip, spotlight = tab.run_teaching(["pqcache", "streaming"], FACT, 0.2, None,
+                                                             request=USER, progress=quiet)
+    return state, status, rows
+
+
+def test_teaching_runs_side_by_side(teaching):
+    state, status, rows = run(teaching)
+    assert status.startswith("Prefilled 250 tokens once; the fact starts at token 150")
+    assert [r[0] for r in rows] == ["pqcache", "streaming"] and all(r[2] > 0 for r in rows)
+    assert teaching.pool.session("teacher", "teaching") is not None
+    assert teaching.spotlight_text(state, "streaming")  # the tokens around the fact
+    text, figure = teaching.walkthrough("1. Prefill", state, USER)
+    assert text.startswith("**1. Prefill.**") and figure is not None
+
+
+def test_teaching_spotlight_shows_what_each_method_attended_within_the_budget(teaching):
+    state, _, rows = run(teaching)
+    attended = {method: n for method, _, n in rows}
+    assert 0 < attended["streaming"] <= 0.2 * 250  # within the budget: the sinks and the recent window
+    assert 0 < attended["pqcache"] < 250  # the top-k of its heads together, not the whole document
+    assert state["selections"]["streaming"] == sorted(state["selections"]["streaming"])
+    assert not any(110 <= p < 150 for p in state["selections"]["streaming"])  # far from both sinks and window
+
+
+def test_teaching_walkthrough_takes_a_slot_in_the_pool(teaching, monkeypatch):
+    state, _, _ = run(teaching)
+    busy, real_ask = [], DocumentSession.ask
+
+    def ask(self, *args, **kwargs):
+        busy.append(teaching.pool.entry("teacher").busy)
+        return real_ask(self, *args, **kwargs)
+
+    monkeypatch.setattr(DocumentSession, "ask", ask)
+    text, figure = teaching.walkthrough("3. Search", state, USER)
+    assert text.startswith("**3. Search.**") and figure is not None
+    assert busy == [1]  # the user is marked busy while the model works: the pool cannot evict the document
+    assert teaching.pool.entry("teacher").busy == 0
+
+
+def test_teaching_errors_are_messages_without_a_traceback(teaching, monkeypatch):
+    state, _, _ = run(teaching)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(DocumentSession, "ask", broken)
+    message = ("**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
+               "the details are in the server log")
+    text, figure = teaching.walkthrough("4. Fetch", state, USER)
+    assert text == f"**4. Fetch.** {message}" and figure is None
+    again, status, rows = run(teaching)
+    assert status == message and rows == [] and again is None  # the page's state stays as it was
+    assert teaching.pool.entry("teacher").busy == 0
+
+
+def test_teaching_walkthrough_after_the_server_freed_the_document(teaching):
+    state, _, _ = run(teaching)
+    teaching.pool.free("teacher", "teaching")
+    text, figure = teaching.walkthrough("3. Search", state, USER)
+    assert "Run the methods again: the server unloaded this document." in text and figure is None
