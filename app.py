@@ -12,6 +12,7 @@ Many users: every browser tab (or gradio_client) is a user with its own document
 SessionPool (one memory cap, least recently used idle caches evicted, idle caches freed, a closed
 tab's cache freed); the model is shared and model work queues with a visible position.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,14 +35,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
     p.add_argument("--concurrency", type=int, default=2, help="requests using the model at once; the rest queue")
-    p.add_argument("--max-cache-gib", type=float, default=None,
-                   help="host memory for all users' document caches (default: a quarter of RAM, at most 8)")
-    p.add_argument("--idle-minutes", type=float, default=30,
-                   help="free a user's caches after this long idle (0: never)")
-    p.add_argument("--max-document-tokens", type=int, default=None,
-                   help="longest document accepted (default: what the model reads); longer ones are refused or cut")
-    p.add_argument("--pq-timeout", type=float, default=120,
-                   help="seconds a K-Means build may take before its layer falls back to exact attention")
+    p.add_argument(
+        "--max-cache-gib",
+        type=float,
+        default=None,
+        help="host memory for all users' document caches (default: a quarter of RAM, at most 8)",
+    )
+    p.add_argument(
+        "--idle-minutes", type=float, default=30, help="free a user's caches after this long idle (0: never)"
+    )
+    p.add_argument(
+        "--max-document-tokens",
+        type=int,
+        default=None,
+        help="longest document accepted (default: what the model reads); longer ones are refused or cut",
+    )
+    p.add_argument(
+        "--pq-timeout",
+        type=float,
+        default=120,
+        help="seconds a K-Means build may take before its layer falls back to exact attention",
+    )
     args = p.parse_args(argv)
     if not args.idle_minutes >= 0:
         p.error(f"--idle-minutes must be 0 (never) or more, got {args.idle_minutes:g}")
@@ -64,12 +78,19 @@ def main(argv: list[str] | None = None):
     print("preparing the model (the first start converts the bundled GGUF, about a minute)...", flush=True)
     model, tokenizer = load_model(args.model, progress=lambda msg: print(msg, flush=True))
     pool = make_pool(args)
-    studio = Studio(model, tokenizer, pool, pq_timeout_s=args.pq_timeout, concurrency=args.concurrency,
-                    max_document_tokens=args.max_document_tokens)
+    studio = Studio(
+        model,
+        tokenizer,
+        pool,
+        pq_timeout_s=args.pq_timeout,
+        concurrency=args.concurrency,
+        max_document_tokens=args.max_document_tokens,
+    )
     idle = f"idle caches freed after {args.idle_minutes:g} min" if pool.idle_s else "idle caches kept"
     print(f"model ready; caches capped at {pool.max_bytes / 2**30:.2f} GiB, {idle}", flush=True)
     build_ui(studio).queue(default_concurrency_limit=args.concurrency).launch(
-        server_name=args.host, server_port=args.port, show_error=False, max_file_size=MAX_DOCUMENT_BYTES)
+        server_name=args.host, server_port=args.port, show_error=False, max_file_size=MAX_DOCUMENT_BYTES
+    )
 
 
 if __name__ == "__main__":

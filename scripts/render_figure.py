@@ -1,5 +1,6 @@
 """Render a viz figure to PNG with Debian's chromium (no kaleido): python scripts/render_figure.py recall
 ROWS.json OUT.png. The rows are the `--json` output of the command that made them."""
+
 import json
 import sys
 import tempfile
@@ -20,8 +21,10 @@ def main():
         html = Path(tmp) / "figure.html"
         fig.write_html(html, include_plotlyjs=True, full_html=True)
         with sync_playwright() as p:
-            browser = p.chromium.launch(executable_path="/usr/bin/chromium",
-                                        args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"])
+            browser = p.chromium.launch(
+                executable_path="/usr/bin/chromium",
+                args=["--no-sandbox", "--disable-gpu", "--disable-background-networking"],
+            )
             page = browser.new_page(viewport={"width": 920, "height": 470})
             page.goto(html.as_uri())
             page.wait_for_selector(".main-svg")

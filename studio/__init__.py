@@ -9,6 +9,7 @@ ui.py            build_ui(studio): the page, the three tabs wired to their handl
 
 UI code only: the engine is pqcache/, the figures viz/.
 """
+
 from studio.state import Studio
 from studio.ui import build_ui
 

@@ -1,4 +1,5 @@
 """What the tabs share: who the user is, messages for the page, the live panels (figures from viz/)."""
+
 from __future__ import annotations
 
 import traceback
@@ -39,8 +40,9 @@ def merged_data(session: DocumentSession | None, obs: Instrumentation | None) ->
     if obs is not None:
         d = obs.to_dict()
         shift = obs.t0 - session.prefill_obs.t0 if session is not None and session.prefill_obs else 0.0
-        data["events"] = data["events"] + [{**e, "start": e["start"] + shift, "end": e["end"] + shift}
-                                           for e in d["events"]]
+        data["events"] = data["events"] + [
+            {**e, "start": e["start"] + shift, "end": e["end"] + shift} for e in d["events"]
+        ]
         for key in ("attention", "recall", "blocks", "selected"):
             data[key] = d[key]
     return data
@@ -51,8 +53,13 @@ def panels(session, obs, layer):
     data = merged_data(session, obs)
     stats = getattr(session, "last_stats", None) or (session.cache.stats() if session and session.cache else None)
     layer = int(layer) if layer not in (None, "") else None
-    return (figures.power_law(data, layer), figures.recall(data), figures.hit_rate(data),
-            figures.timeline(data), figures.memory(stats))
+    return (
+        figures.power_law(data, layer),
+        figures.recall(data),
+        figures.hit_rate(data),
+        figures.timeline(data),
+        figures.memory(stats),
+    )
 
 
 def pq_layer_choices(session) -> list[str]:

@@ -1,4 +1,5 @@
 """Cost model: the analytic estimate of pqcache.tools.costmodel for a model, a GPU and a host link."""
+
 from __future__ import annotations
 
 import gradio as gr
@@ -21,24 +22,30 @@ def cost(model, context, batch, gpu, link, budget):
         e = costmodel.estimate(model, context, batch, gpu, link, config)
     except (InputError, KeyError) as exc:
         return [["error", str(exc)]], None
-    rows = [["device KV, full attention (GiB)", f"{e['full_kv_gib']:.2f}"],
-            ["device KV, PQCache (GiB)", f"{e['pqcache_device_gib']:.2f}"],
-            ["PQ codes + centroids (GiB)", f"{e['pq_gib']:.3f}"],
-            ["weights (GiB)", f"{e['weights_gib']:.1f}"],
-            ["fits on the GPU: full / PQCache", f"{e['full_fits']} / {e['pqcache_fits']}"],
-            ["host link per output token (MiB)", f"{e['link_mib_per_token']:.1f}"],
-            ["attention per token: full / PQCache (ms)",
-             f"{e['full_attention_ms']:.2f} / {e['pqcache_attention_ms']:.2f}"],
-            ["prefill (s)", f"{e['prefill_s']:.2f}"],
-            ["K-Means iterations hidden behind prefill (T_max)", str(e["t_max"])]]
+    rows = [
+        ["device KV, full attention (GiB)", f"{e['full_kv_gib']:.2f}"],
+        ["device KV, PQCache (GiB)", f"{e['pqcache_device_gib']:.2f}"],
+        ["PQ codes + centroids (GiB)", f"{e['pq_gib']:.3f}"],
+        ["weights (GiB)", f"{e['weights_gib']:.1f}"],
+        ["fits on the GPU: full / PQCache", f"{e['full_fits']} / {e['pqcache_fits']}"],
+        ["host link per output token (MiB)", f"{e['link_mib_per_token']:.1f}"],
+        ["attention per token: full / PQCache (ms)", f"{e['full_attention_ms']:.2f} / {e['pqcache_attention_ms']:.2f}"],
+        ["prefill (s)", f"{e['prefill_s']:.2f}"],
+        ["K-Means iterations hidden behind prefill (T_max)", str(e["t_max"])],
+    ]
     return rows, figures.cost_curves(costmodel.curve(model, batch, gpu, link, config))
 
 
 def build_cost_tab():
     """The Cost model tab's components and events (inside a gr.Blocks); returns the outputs the page fills on
     load."""
-    gr.Markdown("A **model**, not a measurement: " + costmodel.__doc__.split("\n\n")[0].replace("\n", " ")
-                + "\n\n```\n" + costmodel.__doc__.split("\n\n")[1] + "\n```")
+    gr.Markdown(
+        "A **model**, not a measurement: "
+        + costmodel.__doc__.split("\n\n")[0].replace("\n", " ")
+        + "\n\n```\n"
+        + costmodel.__doc__.split("\n\n")[1]
+        + "\n```"
+    )
     model, context, batch, gpu, link, budget = DEFAULT
     with gr.Row():
         c_model = gr.Dropdown(list(costmodel.MODELS), value=model, label="Model")

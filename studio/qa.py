@@ -1,4 +1,5 @@
 """Document Q&A: upload or paste, prefill once, streamed answers, live cache panels, Stop, notices."""
+
 from __future__ import annotations
 
 import queue
@@ -24,8 +25,23 @@ class QATab:
         self.studio = studio
         self.pool = studio.pool
 
-    def load_document(self, file, pasted, method, m, bits, budget, n_init, n_local, policy, capacity, encoding,
-                      too_long, request: gr.Request, progress=gr.Progress()):
+    def load_document(
+        self,
+        file,
+        pasted,
+        method,
+        m,
+        bits,
+        budget,
+        n_init,
+        n_local,
+        policy,
+        capacity,
+        encoding,
+        too_long,
+        request: gr.Request,
+        progress=gr.Progress(),
+    ):
         """Prefill the document once; later questions reuse it."""
         user, studio = user_of(request), self.studio
         settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long)
@@ -34,28 +50,49 @@ class QATab:
             try:
                 config = settings.to_config(pq_timeout_s=studio.pq_timeout_s)
                 text = read_document(file, pasted, encoding=settings.text_encoding)
-                session = DocumentSession(studio.model, studio.tokenizer, config, method=settings.method,
-                                          max_tokens=studio.max_document_tokens)
+                session = DocumentSession(
+                    studio.model,
+                    studio.tokenizer,
+                    config,
+                    method=settings.method,
+                    max_tokens=studio.max_document_tokens,
+                )
                 progress(0.0, desc="tokenizing")
-                info = session.load(text, progress=lambda f, msg: progress(f, desc=msg), stop=entry.stop,
-                                    truncate=settings.truncate, reserve=lambda n: self.pool.reserve(user, "qa", n))
+                info = session.load(
+                    text,
+                    progress=lambda f, msg: progress(f, desc=msg),
+                    stop=entry.stop,
+                    truncate=settings.truncate,
+                    reserve=lambda n: self.pool.reserve(user, "qa", n),
+                )
             except Cancelled:
                 self.pool.unreserve(user, "qa")
-                return ("Stopped: the document was not loaded.", gr.update(choices=[], value=None),
-                        *panels(None, None, None))
+                return (
+                    "Stopped: the document was not loaded.",
+                    gr.update(choices=[], value=None),
+                    *panels(None, None, None),
+                )
             except Exception as exc:  # the page and any loaded document stay as they were
                 self.pool.unreserve(user, "qa")
                 return f"**Error:** {describe(exc)}", gr.update(), *panels(self.current_session(user), None, None)
             self.pool.store(user, "qa", session)
         choices = pq_layer_choices(session)
-        cut = (f" The document had {info['document_tokens']} tokens: its middle was cut to fit the model."
-               if session.truncated else "")
-        status = (f"Loaded **{info['tokens']}** tokens, prefill **{info['prefill_s']:.2f} s**; PQ on layers "
-                  f"{', '.join(choices)}; device KV {info['device_kv_bytes'] / 2**20:.1f} MiB, host KV "
-                  f"{info['host_kv_bytes'] / 2**20:.1f} MiB, PQ {info['pq_bytes'] / 2**10:.0f} KiB.{cut}"
-                  f"{notices(info)}")
-        return (status, gr.update(choices=choices, value=choices[0] if choices else None),
-                *panels(session, None, choices[0] if choices else None))
+        cut = (
+            f" The document had {info['document_tokens']} tokens: its middle was cut to fit the model."
+            if session.truncated
+            else ""
+        )
+        status = (
+            f"Loaded **{info['tokens']}** tokens, prefill **{info['prefill_s']:.2f} s**; PQ on layers "
+            f"{', '.join(choices)}; device KV {info['device_kv_bytes'] / 2**20:.1f} MiB, host KV "
+            f"{info['host_kv_bytes'] / 2**20:.1f} MiB, PQ {info['pq_bytes'] / 2**10:.0f} KiB.{cut}"
+            f"{notices(info)}"
+        )
+        return (
+            status,
+            gr.update(choices=choices, value=choices[0] if choices else None),
+            *panels(session, None, choices[0] if choices else None),
+        )
 
     def current_session(self, user: str):
         try:
@@ -89,8 +126,14 @@ class QATab:
 
             def work():
                 try:
-                    result["answer"] = session.ask(question, method=method, max_new_tokens=int(max_new_tokens),
-                                                   stop=stop, observer=obs, on_token=lambda a: updates.put(a.text))
+                    result["answer"] = session.ask(
+                        question,
+                        method=method,
+                        max_new_tokens=int(max_new_tokens),
+                        stop=stop,
+                        observer=obs,
+                        on_token=lambda a: updates.put(a.text),
+                    )
                 except Exception as exc:  # shown in the chat; the session stays usable
                     result["error"] = describe(exc)
                 updates.put(None)
@@ -122,8 +165,11 @@ class QATab:
             return
         answer = result["answer"]
         n = len(answer.tokens)
-        status = (f"{method}: {n} tokens in {answer.seconds:.2f} s ({n / max(answer.seconds, 1e-9):.1f} tokens/s)"
-                  + (" (stopped)" if answer.stopped else "") + notices(session.last_stats))
+        status = (
+            f"{method}: {n} tokens in {answer.seconds:.2f} s ({n / max(answer.seconds, 1e-9):.1f} tokens/s)"
+            + (" (stopped)" if answer.stopped else "")
+            + notices(session.last_stats)
+        )
         yield chat, status, *panels(session, obs, layer)
 
     def stop_generation(self, request: gr.Request):
@@ -149,8 +195,10 @@ class QATab:
 
     def server_line(self) -> str:
         s = self.pool.summary()
-        return (f"Server: {s['users']} user(s) with a document, {s['busy']} being served; caches "
-                f"{s['cache_bytes'] / 2**20:.0f} of {s['max_bytes'] / 2**20:.0f} MiB.")
+        return (
+            f"Server: {s['users']} user(s) with a document, {s['busy']} being served; caches "
+            f"{s['cache_bytes'] / 2**20:.0f} of {s['max_bytes'] / 2**20:.0f} MiB."
+        )
 
     def end_user(self, request: gr.Request):
         """The tab closed: free its caches."""
@@ -167,8 +215,8 @@ def build_qa_tab(tab: QATab, methods: list[str]):
             with gr.Accordion("Settings", open=False):
                 method = gr.Dropdown(methods, value=d.method, label="Method")
                 with gr.Row():
-                    m = gr.Number(d.m, label="m (sub-spaces)", precision=0)
-                    bits = gr.Number(d.bits, label="bits", precision=0)
+                    m = gr.Number(d.m, label="m (sub-spaces; 0: from the head size)", precision=0)
+                    bits = gr.Number(d.bits, label="bits (0: from the length)", precision=0)
                     budget = gr.Number(d.budget, label="token budget (fraction or count)")
                 with gr.Row():
                     n_init = gr.Number(d.n_init, label="sink tokens", precision=0)
@@ -178,8 +226,9 @@ def build_qa_tab(tab: QATab, methods: list[str]):
                     capacity = gr.Number(d.capacity, label="block cache (tokens)", precision=0)
                 max_new = gr.Slider(1, 256, value=48, step=1, label="max new tokens")
                 with gr.Row():
-                    encoding = gr.Dropdown(ENCODINGS, value=d.encoding, label="text encoding of the file",
-                                           allow_custom_value=True)
+                    encoding = gr.Dropdown(
+                        ENCODINGS, value=d.encoding, label="text encoding of the file", allow_custom_value=True
+                    )
                     too_long = gr.Radio(TOO_LONG, value=d.too_long, label="a document longer than the model reads")
             with gr.Row():
                 load = gr.Button("Load document", variant="secondary", elem_id="load")
@@ -208,8 +257,7 @@ def build_qa_tab(tab: QATab, methods: list[str]):
     ask_btn.click(tab.ask, asking, [chat, gen_status, *plots], api_name="ask", **model_work)
     question.submit(tab.ask, asking, [chat, gen_status, *plots], **model_work)
     stop_btn.click(tab.stop_generation, None, [gen_status], api_name="stop", queue=False)
-    unload.click(tab.unload_document, None, [status, layer, *plots], api_name="unload_document",
-                 concurrency_limit=None)
+    unload.click(tab.unload_document, None, [status, layer, *plots], api_name="unload_document", concurrency_limit=None)
     layer.change(tab.refresh_panels, [layer], plots, api_name=False, concurrency_limit=None)
     server = gr.Markdown(tab.server_line(), elem_id="server-status")
     timer = gr.Timer(5.0)

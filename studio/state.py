@@ -1,4 +1,5 @@
 """The one object the app's handlers share: built in app.main() from the command line, passed to build_ui()."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -1,5 +1,6 @@
 """Teaching: one prefill of a preset document with three hidden facts, several methods answering side by
 side under the same budget, a token spotlight, and a five-step walkthrough of one decode step."""
+
 from __future__ import annotations
 
 import os
@@ -15,24 +16,44 @@ from viz import figures
 
 ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 TEACHING_DOC = os.path.join(ASSETS, "teaching_doc.txt")
-TEACHING_FACTS = {"the code to open the blue door": "What is the code to open the blue door? The code is",
-                  "the treasure is buried under": "Where is the treasure buried? The treasure is buried under",
-                  "the captain's cat is named": "What is the name of the captain's cat? The cat is named"}
-WALKTHROUGH = {
-    "1. Prefill": ("Every layer computes exact attention over the whole document. Each full-attention layer's K/V "
-                   "is copied to host memory as soon as the layer is done.", "timeline"),
-    "2. PQ build": ("While later layers compute, a background worker clusters each layer's keys: m sub-spaces, "
-                    "2^bits centroids each (faiss K-Means). Orange bars overlap blue ones: the clustering hides "
-                    "behind compute.", "timeline"),
-    "3. Search": ("For a new token, q . centroids gives a small table; every document token's approximate score is "
-                  "a sum of table entries picked by its uint8 codes; the top-k are the candidates.", "recall"),
-    "4. Fetch": ("Only the top-k tokens' K/V come back from host memory, hot blocks straight from the device "
-                 "block cache.", "hit_rate"),
-    "5. Attention": ("Attention runs over sinks + top-k + the recent window. Attention scores follow a power law: "
-                     "a few tokens carry most of the mass, which is why this works.", "power_law"),
+TEACHING_FACTS = {
+    "the code to open the blue door": "What is the code to open the blue door? The code is",
+    "the treasure is buried under": "Where is the treasure buried? The treasure is buried under",
+    "the captain's cat is named": "What is the name of the captain's cat? The cat is named",
 }
-FIGURES = {"timeline": figures.timeline, "recall": figures.recall, "hit_rate": figures.hit_rate,
-           "power_law": figures.power_law}
+WALKTHROUGH = {
+    "1. Prefill": (
+        "Every layer computes exact attention over the whole document. Each full-attention layer's K/V "
+        "is copied to host memory as soon as the layer is done.",
+        "timeline",
+    ),
+    "2. PQ build": (
+        "While later layers compute, a background worker clusters each layer's keys: m sub-spaces, "
+        "2^bits centroids each (faiss K-Means). Orange bars overlap blue ones: the clustering hides "
+        "behind compute.",
+        "timeline",
+    ),
+    "3. Search": (
+        "For a new token, q . centroids gives a small table; every document token's approximate score is "
+        "a sum of table entries picked by its uint8 codes; the top-k are the candidates.",
+        "recall",
+    ),
+    "4. Fetch": (
+        "Only the top-k tokens' K/V come back from host memory, hot blocks straight from the device block cache.",
+        "hit_rate",
+    ),
+    "5. Attention": (
+        "Attention runs over sinks + top-k + the recent window. Attention scores follow a power law: "
+        "a few tokens carry most of the mass, which is why this works.",
+        "power_law",
+    ),
+}
+FIGURES = {
+    "timeline": figures.timeline,
+    "recall": figures.recall,
+    "hit_rate": figures.hit_rate,
+    "power_law": figures.power_law,
+}
 
 
 class TeachingTab:
@@ -54,8 +75,11 @@ class TeachingTab:
             try:
                 config = PQCacheConfig(token_budget=number(budget, "token budget"), pq_timeout_s=studio.pq_timeout_s)
                 session = DocumentSession(studio.model, studio.tokenizer, config, method="pqcache")
-                session.load(text, progress=lambda f, msg: progress(0.5 * f, desc=msg),
-                             reserve=lambda n: self.pool.reserve(user, "teaching", n))
+                session.load(
+                    text,
+                    progress=lambda f, msg: progress(0.5 * f, desc=msg),
+                    reserve=lambda n: self.pool.reserve(user, "teaching", n),
+                )
             except Exception as exc:
                 self.pool.unreserve(user, "teaching")
                 return state, f"**Error:** {describe(exc)}", [], figures.heat_strip({}, 1), []
@@ -85,8 +109,13 @@ class TeachingTab:
         # the page keeps what it shows, not the session: the pool alone holds (and may free) the cache
         state = {"doc_ids": list(session.doc_ids), "selections": selections, "fact_pos": fact_pos}
         marks = [fact_pos] if fact_pos is not None else []
-        return (state, f"Prefilled {session.n_tokens} tokens once; the fact starts at token {fact_pos}.", rows,
-                figures.heat_strip(selections, session.n_tokens, marks), self.spotlight_text(state, methods[0]))
+        return (
+            state,
+            f"Prefilled {session.n_tokens} tokens once; the fact starts at token {fact_pos}.",
+            rows,
+            figures.heat_strip(selections, session.n_tokens, marks),
+            self.spotlight_text(state, methods[0]),
+        )
 
     def spotlight_text(self, state, method):
         """The document tokens around the fact, marked where `method` attended at its first step."""
@@ -114,8 +143,7 @@ class TeachingTab:
             if session is not None and fig != "timeline":
                 obs = Instrumentation(timeline=True, attention_every=1, recall_every=1)
                 try:
-                    session.ask(next(iter(TEACHING_FACTS.values())), method="pqcache", max_new_tokens=3,
-                                observer=obs)
+                    session.ask(next(iter(TEACHING_FACTS.values())), method="pqcache", max_new_tokens=3, observer=obs)
                 except Exception as exc:  # the page says what happened; the document stays loaded
                     return f"**{step}.** **Error:** {describe(exc)}", None
                 data = merged_data(session, obs)
@@ -126,17 +154,18 @@ def build_teaching_tab(tab: TeachingTab, methods: list[str]):
     """The Teaching tab's components and events (inside a gr.Blocks)."""
     model_work = tab.studio.model_work
     t_state = gr.State(None)
-    gr.Markdown("One prefill of a preset document with three hidden facts; each method answers the same "
-                "question under the same budget. The strip shows where each method's attention went "
-                "(first full-attention layer, first generated token); the red line is the fact.")
+    gr.Markdown(
+        "One prefill of a preset document with three hidden facts; each method answers the same "
+        "question under the same budget. The strip shows where each method's attention went "
+        "(first full-attention layer, first generated token); the red line is the fact."
+    )
     with gr.Row():
         t_methods = gr.CheckboxGroup(methods, value=["pqcache", "snapkv", "streaming", "oracle"], label="Methods")
         t_fact = gr.Dropdown(list(TEACHING_FACTS), value=list(TEACHING_FACTS)[0], label="Hidden fact")
         t_budget = gr.Slider(0.05, 0.5, value=0.1, step=0.05, label="token budget")
     t_run = gr.Button("Run side by side", variant="primary")
     t_status = gr.Markdown()
-    t_table = gr.Dataframe(headers=["method", "answer", "tokens attended"], interactive=False,
-                           elem_id="teaching-table")
+    t_table = gr.Dataframe(headers=["method", "answer", "tokens attended"], interactive=False, elem_id="teaching-table")
     t_strip = gr.Plot(elem_id="teaching-strip")
     t_pick = gr.Dropdown(methods, value="pqcache", label="Highlight the tokens this method attended to")
     t_text = gr.HighlightedText(label="Around the fact", combine_adjacent=True)
@@ -146,6 +175,9 @@ def build_teaching_tab(tab: TeachingTab, methods: list[str]):
     w_text = gr.Markdown()
     w_plot = gr.Plot()
     w_step.change(tab.walkthrough, [w_step, t_state], [w_text, w_plot], **model_work)
-    t_run.click(tab.run_teaching, [t_methods, t_fact, t_budget, t_state],
-                [t_state, t_status, t_table, t_strip, t_text], **model_work).then(
-        tab.walkthrough, [w_step, t_state], [w_text, w_plot], **model_work)
+    t_run.click(
+        tab.run_teaching,
+        [t_methods, t_fact, t_budget, t_state],
+        [t_state, t_status, t_table, t_strip, t_text],
+        **model_work,
+    ).then(tab.walkthrough, [w_step, t_state], [w_text, w_plot], **model_work)

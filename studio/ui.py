@@ -1,4 +1,5 @@
 """The page: three tabs, each wired to its handlers around one Studio."""
+
 from __future__ import annotations
 
 import gradio as gr

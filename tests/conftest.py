@@ -2,14 +2,31 @@ import os
 
 import pytest
 import torch
-from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-COMMON = dict(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, head_dim=16, max_position_embeddings=1024, pad_token_id=0)
+COMMON = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=1024,
+    pad_token_id=0,
+)
 
 
 def tiny_model(arch: str, seed: int = 0):
@@ -22,8 +39,12 @@ def tiny_model(arch: str, seed: int = 0):
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=False))
     elif arch == "gemma3":
-        cfg = Gemma3TextConfig(**COMMON, sliding_window=24, query_pre_attn_scalar=16,
-                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+        cfg = Gemma3TextConfig(
+            **COMMON,
+            sliding_window=24,
+            query_pre_attn_scalar=16,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        )
         model = Gemma3ForCausalLM(cfg)
     else:
         raise ValueError(arch)
@@ -32,8 +53,17 @@ def tiny_model(arch: str, seed: int = 0):
 
 def greedy_generate(model, ids, cache, n=6, mask=None):
     """Exactly n greedy tokens through transformers' generate with `cache`: (sequences, scores (n, B, V))."""
-    out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True, cache=cache, pad_token_id=0)
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=n,
+        min_new_tokens=n,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        cache=cache,
+        pad_token_id=0,
+    )
     return out.sequences, torch.stack(out.scores)
 
 
@@ -84,5 +114,15 @@ def app_url():
 def small_app_url():
     """An app sized to make limits reachable: one request at a time, 40 MiB of caches (one ~1K-token
     document of the bundled model is 23 MiB), documents up to 1200 tokens, 8 s K-Means timeout."""
-    yield from launch_app("--concurrency", "1", "--max-cache-gib", "0.04", "--max-document-tokens", "1200",
-                          "--idle-minutes", "10", "--pq-timeout", "8")
+    yield from launch_app(
+        "--concurrency",
+        "1",
+        "--max-cache-gib",
+        "0.04",
+        "--max-document-tokens",
+        "1200",
+        "--idle-minutes",
+        "10",
+        "--pq-timeout",
+        "8",
+    )

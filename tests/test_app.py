@@ -1,4 +1,5 @@
 """The app through gradio_client: upload, prefill, streamed answers, stop, a second question, bad input."""
+
 import time
 from pathlib import Path
 

@@ -1,4 +1,5 @@
 """Reliability through gradio_client against a running app: bad input, the cache cap, the queue, Stop."""
+
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -131,8 +132,9 @@ def test_requests_queue_with_a_visible_position(small_app_url):
 
 def test_stop_during_prefill_then_everything_works(client):
     long_doc = passkey_context("27182", n_filler=80, depth=0.1)
-    job = client.submit(None, long_doc, *replace(SETTINGS, too_long="cut the middle").values(),
-                        api_name="/load_document")
+    job = client.submit(
+        None, long_doc, *replace(SETTINGS, too_long="cut the middle").values(), api_name="/load_document"
+    )
     wait_for(lambda: job.status().code == Status.PROGRESS or job.done(), every=0.05)
     assert client.predict(api_name="/stop") == "stopped"
     wait_for(job.done)

@@ -1,6 +1,7 @@
 """End to end in a real browser: Debian's Chromium driven by Playwright (no browser download).
 Opens the page, uploads a document, asks, sees the streamed answer and every panel render, runs the
 teaching tab; screenshots go to out/screenshots/."""
+
 import os
 import time
 from pathlib import Path
@@ -10,8 +11,15 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SHOTS = Path(os.environ.get("PQCACHE_SCREENSHOTS", ROOT / "out" / "screenshots"))
 CHROMIUM = "/usr/bin/chromium"
-ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-        "--disable-component-update", "--disable-sync"]
+ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 PANELS = ["panel-power", "panel-recall", "panel-hits", "panel-memory", "panel-timeline"]
 
 
@@ -44,7 +52,8 @@ def test_upload_ask_stream_and_panels(page):
     page.locator("#ask").click()
     page.wait_for_function(  # streaming: the answer grows before generation ends
         "() => document.querySelector('#chat') && document.querySelector('#chat').innerText.includes('684')",
-        timeout=120_000)
+        timeout=120_000,
+    )
     page.wait_for_selector("#gen-status >> text=tokens/s", timeout=180_000)
     assert "68422" in page.locator("#chat").inner_text()
     for panel in PANELS:
@@ -69,7 +78,8 @@ def test_bad_uploads_show_a_message_and_the_document_stays(page, tmp_path):
     page.locator("#question textarea").fill("What is the pass key? The pass key is")
     page.locator("#ask").click()
     page.wait_for_function(  # the status line still shows the first answer's tokens/s: wait for this answer
-        "() => document.querySelector('#chat').innerText.split('68422').length > 2", timeout=180_000)
+        "() => document.querySelector('#chat').innerText.split('68422').length > 2", timeout=180_000
+    )
     page.wait_for_selector("#gen-status >> text=tokens/s", timeout=180_000)
     assert "Traceback" not in page.locator("body").inner_text()
     assert page.locator("#chat").inner_text().count("68422") >= 2  # the first answer and this one

@@ -1,13 +1,14 @@
 """Adaptive K-Means iterations: the fits, T_max, and kmeans_iters="auto" reading the stored fit."""
+
 import json
 
 import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
-from pqcache.tools.calibrate import calibrate, fit_cluster, fit_prefill, save
 from pqcache.engine import iters
 from pqcache.engine.iters import DEFAULT_ITERS, ITERS_RANGE, kmeans_iters_for, load_fit, t_max
+from pqcache.tools.calibrate import calibrate, fit_cluster, fit_prefill, save
 
 from .conftest import tiny_model
 
@@ -56,8 +57,15 @@ def test_calibrate_runs_on_a_model(tmp_path, monkeypatch):
         def __call__(self, text, return_tensors=None):
             return type("Enc", (), {"input_ids": torch.randint(1, 96, (1, 17))})()
 
-    fit = calibrate(tiny_model("llama"), Tok(), seq_lens=(64, 128, 256), iters=(2, 6),
-                    config=PQCacheConfig(bits=4, n_init=4), repeats=1, progress=lambda *_: None)
+    fit = calibrate(
+        tiny_model("llama"),
+        Tok(),
+        seq_lens=(64, 128, 256),
+        iters=(2, 6),
+        config=PQCacheConfig(bits=4, n_init=4),
+        repeats=1,
+        progress=lambda *_: None,
+    )
     assert len(fit["points"]["prefill"]) == 3 and len(fit["points"]["cluster"]) == 6
     assert fit["cluster"]["b1"] > 0
     assert all(ITERS_RANGE[0] <= t <= ITERS_RANGE[1] for t in fit["t_max"].values())

@@ -1,4 +1,5 @@
 """python -m pqcache: generate --json on the bundled model, bench --json, readable errors."""
+
 import importlib
 import json
 import shutil
@@ -17,16 +18,27 @@ SUBCOMMANDS = ("generate", "bench", "eval", "datasets", "loadtest", "calibrate")
 
 
 def run_cli(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "pqcache", *args], cwd=ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "pqcache", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
 
 
 @pytest.fixture(scope="module")
 def generations():
     out = {}
     for method in ("full", "pqcache"):
-        proc = run_cli("generate", "--method", method, "--context-file", str(PASSKEY), "--question", QUESTION,
-                       "--max-new-tokens", "6", "--json")
+        proc = run_cli(
+            "generate",
+            "--method",
+            method,
+            "--context-file",
+            str(PASSKEY),
+            "--question",
+            QUESTION,
+            "--max-new-tokens",
+            "6",
+            "--json",
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         out[method] = json.loads(proc.stdout.strip().splitlines()[-1])
     return out
@@ -56,20 +68,32 @@ def test_bench_attention_json_shape():
     rows = json.loads(proc.stdout)["rows"]
     assert [r["seq_len"] for r in rows] == [1024, 2048]
     for r in rows:
-        assert set(r) == {"seq_len", "m", "bits", "rerank", "dense_ms", "pqcache_ms", "speedup", "search_share",
-                          "rerank_share"}
+        assert set(r) == {
+            "seq_len",
+            "m",
+            "bits",
+            "rerank",
+            "dense_ms",
+            "pqcache_ms",
+            "speedup",
+            "search_share",
+            "rerank_share",
+        }
         assert r["dense_ms"] > 0 and r["pqcache_ms"] > 0 and 0 < r["search_share"] <= 1
         assert 0 < r["rerank_share"] <= 1  # the exact re-rank's share of the step
         assert (r["m"], r["rerank"]) == (2, 4) and 4 <= r["bits"] <= 8  # defaults for 128-dim heads
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--bits", "9"], "bits must be None or an int in 1..8"),
-    (["--token-budget", "0"], "token_budget must be > 0"),
-    (["--model", "/no/such/model"], "does not exist"),
-    (["--context-file", "/no/such/file.txt"], "cannot open file.txt"),
-    (["--context-file", str(ROOT / "pqcache" / "__init__.py")], "unsupported file type"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--bits", "9"], "bits must be None or an int in 1..8"),
+        (["--token-budget", "0"], "token_budget must be > 0"),
+        (["--model", "/no/such/model"], "does not exist"),
+        (["--context-file", "/no/such/file.txt"], "cannot open file.txt"),
+        (["--context-file", str(ROOT / "pqcache" / "__init__.py")], "unsupported file type"),
+    ],
+)
 def test_generate_bad_input_gives_clear_error(args, message):
     proc = run_cli("generate", "--question", "hi", "--max-new-tokens", "1", *args)
     assert proc.returncode != 0
@@ -106,8 +130,18 @@ def test_bench_ttft_and_blockcache_json_shape():
 
 @pytest.mark.parametrize("method", ["oracle", "streaming", "h2o", "snapkv", "pyramidkv", "sparq", "infllm"])
 def test_generate_every_method_from_the_cli(method):
-    proc = run_cli("generate", "--method", method, "--context-file", str(PASSKEY), "--question", QUESTION,
-                   "--max-new-tokens", "3", "--json")
+    proc = run_cli(
+        "generate",
+        "--method",
+        method,
+        "--context-file",
+        str(PASSKEY),
+        "--question",
+        QUESTION,
+        "--max-new-tokens",
+        "3",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["stats"]["method"] == method and len(result["tokens"]) == 3
@@ -115,17 +149,31 @@ def test_generate_every_method_from_the_cli(method):
 
 def test_datasets_and_eval_end_to_end(tmp_path):
     cases = tmp_path / "niah.jsonl"
-    proc = run_cli("datasets", "niah", "--lengths", "700", "--depths", "0.5", "--query-aware", "both",
-                   "--out", str(cases))
+    proc = run_cli(
+        "datasets", "niah", "--lengths", "700", "--depths", "0.5", "--query-aware", "both", "--out", str(cases)
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(cases.read_text().splitlines()) == 2
     out = tmp_path / "results.jsonl"
-    proc = run_cli("eval", "--cases", str(cases), "--methods", "full,pqcache,snapkv", "--max-new-tokens", "4",
-                   "--out", str(out), "--group-by", "query_aware", "--json")
+    proc = run_cli(
+        "eval",
+        "--cases",
+        str(cases),
+        "--methods",
+        "full,pqcache,snapkv",
+        "--max-new-tokens",
+        "4",
+        "--out",
+        str(out),
+        "--group-by",
+        "query_aware",
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout)["rows"]
-    assert {(r["query_aware"], r["method"]) for r in summary} == {(q, m) for q in (True, False)
-                                                                 for m in ("full", "pqcache", "snapkv")}
+    assert {(r["query_aware"], r["method"]) for r in summary} == {
+        (q, m) for q in (True, False) for m in ("full", "pqcache", "snapkv")
+    }
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 6 and all(0 <= r["score"] <= 1 for r in rows)
 
@@ -133,9 +181,11 @@ def test_datasets_and_eval_end_to_end(tmp_path):
 def test_eval_bad_input_messages(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
-    for args, message in [(["--cases", str(bad)], "missing context, question, answers"),
-                          (["--cases", str(bad), "--methods", "full,nope"], "unknown method(s) nope"),
-                          ([], "give --cases")]:
+    for args, message in [
+        (["--cases", str(bad)], "missing context, question, answers"),
+        (["--cases", str(bad), "--methods", "full,nope"], "unknown method(s) nope"),
+        ([], "give --cases"),
+    ]:
         proc = run_cli("eval", *args)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 

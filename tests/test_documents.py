@@ -1,10 +1,11 @@
 """Reading documents: text, markdown, PDF, pasted text, and a documented error for every bad input."""
+
 import codecs
 
 import pytest
 
-from pqcache.serving.documents import read_document
 from pqcache.engine.errors import DocumentEncodingError, DocumentError, InputError
+from pqcache.serving.documents import read_document
 
 
 def make_pdf(text: str | None) -> bytes:

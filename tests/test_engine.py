@@ -1,4 +1,5 @@
 """PQCache against exact attention on tiny random models of every supported architecture."""
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -16,8 +17,8 @@ def _batch(seed=1, lengths=(80, 57)):
     ids = torch.zeros(len(lengths), S, dtype=torch.long)
     mask = torch.zeros(len(lengths), S, dtype=torch.long)
     for b, n in enumerate(lengths):  # left padding
-        ids[b, S - n:] = torch.randint(1, 96, (n,), generator=g)
-        mask[b, S - n:] = 1
+        ids[b, S - n :] = torch.randint(1, 96, (n,), generator=g)
+        mask[b, S - n :] = 1
     return ids, mask
 
 
@@ -61,7 +62,7 @@ def test_batch_rows_match_rows_alone():
     with torch.no_grad():
         seq, scores = greedy_generate(model, ids, PQCache(model, cfg), mask=mask)
         for b, n in enumerate(lengths):
-            row_ids = ids[b:b + 1, ids.shape[1] - n:]
+            row_ids = ids[b : b + 1, ids.shape[1] - n :]
             row_seq, row_scores = greedy_generate(model, row_ids, PQCache(model, cfg), mask=torch.ones_like(row_ids))
             assert torch.equal(seq[b, -6:], row_seq[0, -6:])
             torch.testing.assert_close(scores[:, b], row_scores[:, 0], rtol=1e-3, atol=1e-3)

@@ -1,11 +1,12 @@
 """Evaluation harness: case parsing, scoring, one prefill per case, generators' needle placement."""
+
 import json
 
 import pytest
+import torch
 
-from pqcache import PQCacheConfig
-from pqcache.tools import datasets
-from pqcache.tools import evaluate
+from pqcache import PQCache, PQCacheConfig
+from pqcache.tools import datasets, evaluate
 
 from .conftest import WordTokenizer, tiny_model
 
@@ -20,9 +21,12 @@ def test_load_cases_defaults_and_errors(tmp_path):
     ok = _write(tmp_path, [json.dumps({"id": "a", "context": "c", "question": "q", "answers": ["x"], "task": "t"})])
     (case,) = evaluate.load_cases(ok)
     assert case["query_aware"] is True and case["task"] == "t"
-    for line, msg in [("{not json", ":1: not JSON"), (json.dumps({"id": "a"}), "missing context, question, answers"),
-                      (json.dumps({"id": "a", "context": "c", "question": "q", "answers": "x"}),
-                       "answers must be a list of strings"), ("[1]", "a case is a JSON object")]:
+    for line, msg in [
+        ("{not json", ":1: not JSON"),
+        (json.dumps({"id": "a"}), "missing context, question, answers"),
+        (json.dumps({"id": "a", "context": "c", "question": "q", "answers": "x"}), "answers must be a list of strings"),
+        ("[1]", "a case is a JSON object"),
+    ]:
         with pytest.raises(evaluate.CaseError, match=msg):
             evaluate.load_cases(_write(tmp_path, [line]))
 
@@ -37,28 +41,47 @@ def test_score_is_the_fraction_of_answers_found():
 def test_one_prefill_per_case_shared_by_all_methods(query_aware):
     model = tiny_model("llama")
     lengths = []
-    model.model.register_forward_pre_hook(lambda m, args, kw: lengths.append(kw["input_ids"].shape[1]),
-                                          with_kwargs=True)
+    model.model.register_forward_pre_hook(
+        lambda m, args, kw: lengths.append(kw["input_ids"].shape[1]), with_kwargs=True
+    )
     context = " ".join(f"w{i}" for i in range(200))
-    case = {"id": "c1", "context": context, "question": "what is w7 ?", "answers": ["t1"], "query_aware": query_aware,
-            "task": "demo"}
+    case = {
+        "id": "c1",
+        "context": context,
+        "question": "what is w7 ?",
+        "answers": ["t1"],
+        "query_aware": query_aware,
+        "task": "demo",
+    }
     methods = ["full", "pqcache", "snapkv", "h2o"]
-    rows = evaluate.run_case(model, WordTokenizer(), case, methods,
-                             PQCacheConfig(token_budget=0.2, n_init=4, bits=4, kmeans_iters=5), max_new_tokens=3)
+    rows = evaluate.run_case(
+        model,
+        WordTokenizer(),
+        case,
+        methods,
+        PQCacheConfig(token_budget=0.2, n_init=4, bits=4, kmeans_iters=5),
+        max_new_tokens=3,
+    )
     long_forwards = [n for n in lengths if n >= 200]
     assert long_forwards == [204 if query_aware else 200]  # the one prefill (context + 4 question tokens)
     question_chunks = [n for n in lengths if 1 < n < 200]
     assert question_chunks == ([] if query_aware else [4] * len(methods))
     assert [r["method"] for r in rows] == methods and all(r["task"] == "demo" for r in rows)
-    assert all(set(r) >= {"id", "method", "prediction", "score", "context_tokens", "prefill_s", "decode_s"}
-               for r in rows)
+    assert all(
+        set(r) >= {"id", "method", "prediction", "score", "context_tokens", "prefill_s", "decode_s"} for r in rows
+    )
 
 
 def test_summary_per_method_and_group():
-    rows = [{"method": "a", "score": 1.0, "task": "x"}, {"method": "a", "score": 0.0, "task": "y"},
-            {"method": "b", "score": 0.5, "task": "x"}]
-    assert evaluate.summarize(rows) == [{"method": "a", "cases": 2, "score": 50.0},
-                                        {"method": "b", "cases": 1, "score": 50.0}]
+    rows = [
+        {"method": "a", "score": 1.0, "task": "x"},
+        {"method": "a", "score": 0.0, "task": "y"},
+        {"method": "b", "score": 0.5, "task": "x"},
+    ]
+    assert evaluate.summarize(rows) == [
+        {"method": "a", "cases": 2, "score": 50.0},
+        {"method": "b", "cases": 1, "score": 50.0},
+    ]
     grouped = evaluate.summarize(rows, ["task"])
     assert {"task": "y", "method": "a", "cases": 1, "score": 0.0} in grouped and len(grouped) == 3
 
@@ -95,8 +118,9 @@ def test_ruler_cases_hold_their_answers(tok):
 def test_recall_study_on_real_keys(real_model):
     model, tok = real_model
     text = tok.decode(tok(datasets.essays_text()).input_ids[1:700])
-    rows = evaluate.recall_study(model, tok, text, ms=(2,), bits_list=(4, 8), reranks=(1, 4, 1000), budgets=(0.1,),
-                                 n_queries=4, iters=5)
+    rows = evaluate.recall_study(
+        model, tok, text, ms=(2,), bits_list=(4, 8), reranks=(1, 4, 1000), budgets=(0.1,), n_queries=4, iters=5
+    )
     assert [(r["layer"], r["bits"], r["rerank"]) for r in rows][:4] == [(5, 4, 1), (5, 4, 4), (5, 4, 1000), (5, 8, 1)]
     assert len(rows) == 3 * 2 * 3
     assert all(0 <= r["recall"] <= 1 and 0 < r["mass_recall"] <= 1 and 0 <= r["qhead_recall"] <= 1 for r in rows)
@@ -106,3 +130,36 @@ def test_recall_study_on_real_keys(real_model):
             assert r["recall"] == 1.0
         if rerank == 4:
             assert r["recall"] >= by[(layer, bits, 1)]["recall"]  # the re-rank only adds exact information
+
+
+def test_method_variants_run_in_one_case_with_their_own_settings():
+    """ "pqcache/m=1/bits=4/rerank=1" is PQCache with those settings, forked from the same prefill:
+    settings that change the codes get their own K-Means, the rest reuse the parent's index."""
+    name, cfg = evaluate.method_spec("pqcache/m=1/bits=4/rerank=1", PQCacheConfig(token_budget=0.2))
+    assert name == "pqcache" and (cfg.m, cfg.bits, cfg.rerank, cfg.token_budget) == (1, 4, 1, 0.2)
+    assert evaluate.method_spec("oracle", PQCacheConfig())[1] == PQCacheConfig()
+    with pytest.raises(ValueError, match="not a PQCacheConfig setting"):
+        evaluate.method_spec("pqcache/speed=fast", PQCacheConfig())
+    model = tiny_model("llama")
+    case = {
+        "id": "v",
+        "context": " ".join(f"w{i}" for i in range(300)),
+        "question": "w1 w2",
+        "answers": ["t1"],
+        "query_aware": False,
+    }
+    methods = ["pqcache", "pqcache/m=1/bits=4/rerank=1", "pqcache/rerank=1"]
+    rows = evaluate.run_case(
+        model, WordTokenizer(), case, methods, PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=3, bits=5), 4
+    )
+    assert [r["method"] for r in rows] == methods and all(r["new_tokens"] == 4 for r in rows)
+    base = PQCache(model, PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=3, bits=5))
+    with torch.no_grad():
+        model(torch.randint(1, 96, (1, 300)), cache=base)
+    base.wait()
+    same = base.fork("pqcache", evaluate.method_spec("pqcache/rerank=1", base.pq_config)[1])
+    other = base.fork("pqcache", evaluate.method_spec("pqcache/m=1/bits=4", base.pq_config)[1])
+    parent_index = base.pq_layers[0].method_state["index"]
+    assert same.pq_layers[0].method_state["index"].segments[0][1] is parent_index.segments[0][1]
+    other.wait()
+    assert other.pq_layers[0].method_state["index"].bits == 4 and other.pq_config.m == 1

@@ -3,6 +3,7 @@
 CI runs a fixed sample (profile "ci"); `HYPOTHESIS_PROFILE=explore python -m pytest tests/test_fuzz.py`
 searches with fresh random examples, many more of them.
 """
+
 import math
 import os
 
@@ -12,18 +13,25 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pqcache import METHODS, PQCache, PQCacheConfig
-from pqcache.serving.documents import read_document
 from pqcache.engine.errors import DocumentError, PQCacheConfigError
+from pqcache.serving.documents import read_document
 
 from .conftest import tiny_model
 
-settings.register_profile("ci", max_examples=40, derandomize=True, deadline=None,
-                          suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "ci", max_examples=40, derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
 settings.register_profile("explore", max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-ANY = st.one_of(st.none(), st.booleans(), st.integers(-10, 5000), st.floats(allow_nan=True, allow_infinity=True),
-                st.text(max_size=5), st.lists(st.integers(), max_size=2))
+ANY = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-10, 5000),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=5),
+    st.lists(st.integers(), max_size=2),
+)
 FIELDS = [f for f in PQCacheConfig.__dataclass_fields__]
 
 
@@ -51,12 +59,19 @@ def engine_cases(draw):
         "seq": draw(st.integers(1, 70)),
         "pad": draw(st.integers(0, 20)),
         "chunks": draw(st.lists(st.integers(1, 5), min_size=1, max_size=3)),  # tokens per later forward
-        "config": dict(m=draw(st.sampled_from([1, 2, 3, 4, 8, 16])), bits=draw(st.integers(1, 8)),
-                       token_budget=budget, n_init=draw(st.integers(0, 8)), n_local=n_local,
-                       kmeans_iters=draw(st.integers(1, 4)), block_size=draw(st.sampled_from([4, 16, 128])),
-                       block_cache_tokens=0, metric=draw(st.sampled_from(["l2", "ip"])),
-                       gqa_combine=draw(st.sampled_from(["softmax_sum", "sum"])),
-                       rebuild_every=draw(st.one_of(st.none(), st.integers(1, 3)))),
+        "config": dict(
+            m=draw(st.sampled_from([1, 2, 3, 4, 8, 16])),
+            bits=draw(st.integers(1, 8)),
+            token_budget=budget,
+            n_init=draw(st.integers(0, 8)),
+            n_local=n_local,
+            kmeans_iters=draw(st.integers(1, 4)),
+            block_size=draw(st.sampled_from([4, 16, 128])),
+            block_cache_tokens=0,
+            metric=draw(st.sampled_from(["l2", "ip"])),
+            gqa_combine=draw(st.sampled_from(["softmax_sum", "sum"])),
+            rebuild_every=draw(st.one_of(st.none(), st.integers(1, 3))),
+        ),
     }
 
 

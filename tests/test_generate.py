@@ -1,4 +1,5 @@
 """The one greedy loop (prefill / decode_one_token / decode_n_tokens), the EOS set and head_dim_of."""
+
 import threading
 from types import SimpleNamespace
 
@@ -41,8 +42,9 @@ def _reference(model, ids, n):
 def test_decode_n_tokens_is_greedy_and_runs_no_forward_past_the_last_token():
     model, ids = tiny_model("llama"), _prompt()
     cache, lock, seen = DynamicCache(config=model.config), CountingLock(), []
-    out = decode_n_tokens(model, prefill(model, ids, cache), cache, 6, on_token=lambda t: seen.append(list(t)),
-                          lock=lock)
+    out = decode_n_tokens(
+        model, prefill(model, ids, cache), cache, 6, on_token=lambda t: seen.append(list(t)), lock=lock
+    )
     assert out.tokens == _reference(model, ids, 6) and not out.stopped
     assert seen == [out.tokens[:i] for i in range(1, 7)]  # on_token after each token, with the tokens so far
     assert lock.entered == 5  # the 6th token needs no forward

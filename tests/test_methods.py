@@ -1,4 +1,5 @@
 """Every selection method under one interface: exact at full budget, each rule on a case with a known answer."""
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -77,8 +78,11 @@ def test_oracle_equals_exact_ranking_on_planted_keys():
 
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 1, 500, 16, generator=g)
-    layer = filled_layer(keys, torch.randn_like(keys), PQCacheConfig(token_budget=60, n_init=4, n_local=6, bits=4,
-                                                                        block_cache_tokens=0, gqa_combine="sum"))
+    layer = filled_layer(
+        keys,
+        torch.randn_like(keys),
+        PQCacheConfig(token_budget=60, n_init=4, n_local=6, bits=4, block_cache_tokens=0, gqa_combine="sum"),
+    )
     layer.method = make_method("oracle")
     q = torch.randn(1, 1, 1, 16, generator=g)
     top, valid = layer.select(q, 1.0)
@@ -182,8 +186,9 @@ def test_infllm_picks_blocks_by_representative_keys():
     keys = torch.randn(1, 1, 320, D, generator=g) * 0.1
     q = torch.randn(1, 1, 1, D, generator=g)
     keys[0, 0, 5 * bs + 3] = 5 * q[0, 0, 0]  # block 5 holds one key that points at q
-    layer = filled_layer(keys, torch.randn_like(keys), PQCacheConfig(token_budget=40, n_init=4, n_local=8, bits=4,
-                                                                        block_cache_tokens=0))
+    layer = filled_layer(
+        keys, torch.randn_like(keys), PQCacheConfig(token_budget=40, n_init=4, n_local=8, bits=4, block_cache_tokens=0)
+    )
     method = make_method("infllm", block_size=bs, n_rep=2)
     layer.method = method
     queries = q.expand(1, 1, 320, D)  # the blocks' own queries

@@ -1,4 +1,5 @@
 """Product quantization: search = brute force over reconstructed keys, uint8 codes, recall, config errors."""
+
 import pytest
 import torch
 
@@ -11,8 +12,9 @@ from .conftest import tiny_model
 
 def _train(keys, m, bits, metric="l2"):
     B, H, S, D = keys.shape
-    cents = torch.stack([torch.stack([pq.train_centroids(keys[b, h], m, 1 << bits, 10, metric, 0)
-                                      for h in range(H)]) for b in range(B)])
+    cents = torch.stack(
+        [torch.stack([pq.train_centroids(keys[b, h], m, 1 << bits, 10, metric, 0) for h in range(H)]) for b in range(B)]
+    )
     return cents, pq.encode(keys, cents, metric)
 
 
@@ -34,7 +36,7 @@ def test_codes_are_nearest_centroids():
     keys = torch.randn(1, 1, 300, 16, generator=torch.Generator().manual_seed(1))
     cents, codes = _train(keys, 2, 4)
     for j in range(2):
-        sub = keys[0, 0, :, j * 8:(j + 1) * 8]
+        sub = keys[0, 0, :, j * 8 : (j + 1) * 8]
         nearest = torch.cdist(sub, cents[0, 0, j]).argmin(-1)
         assert torch.equal(codes[0, 0, j].long(), nearest)
 
@@ -61,10 +63,10 @@ def _needle_recall(m, bits, seed, S=4096, D=64, n_needles=60):
     keys = keys.view(1, 1, S, D)
     cfg = PQCacheConfig(m=m, bits=bits, token_budget=4 + n_needles + 8, n_init=4, n_local=8, kmeans_iters=20)
     layer = filled_layer(keys, torch.randn_like(keys), cfg)
-    top, valid = layer.select(q.view(1, 1, 1, D), scaling=D ** -0.5)
+    top, valid = layer.select(q.view(1, 1, 1, D), scaling=D**-0.5)
     assert int(valid.sum()) == n_needles
     exact = keys[0, 0] @ q
-    exact[:4] = exact[S - 8:] = float("-inf")  # sinks and window are attended anyway
+    exact[:4] = exact[S - 8 :] = float("-inf")  # sinks and window are attended anyway
     exact_top = set(exact.topk(n_needles).indices.tolist())
     return len(exact_top & set(top[0, 0][valid[0, 0]].tolist())) / n_needles
 
@@ -77,20 +79,23 @@ def test_pq_topk_recall_on_planted_structure(m, bits, threshold):
     assert recall >= threshold, recall
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"m": 0}, "m \\(number of sub-spaces\\)"),
-    ({"bits": 9}, "bits must be None or an int in 1..8"),
-    ({"bits": 0}, "bits must be None or an int in 1..8"),
-    ({"token_budget": 0}, "token_budget must be > 0"),
-    ({"token_budget": -0.5}, "token_budget must be > 0"),
-    ({"token_budget": 2.5}, "neither a fraction"),
-    ({"n_init": -1}, "n_init must be an int >= 0"),
-    ({"n_local": 0}, "n_local must be None or an int >= 1"),
-    ({"kmeans_iters": 0}, "kmeans_iters must be 'auto' or an int >= 1"),
-    ({"kmeans_iters": "fast"}, "kmeans_iters must be 'auto'"),
-    ({"metric": "cosine"}, "metric must be 'l2' or 'ip'"),
-    ({"token_budget": 64, "n_init": 32, "n_local": 40}, "cannot hold n_init=32 sinks plus n_local=40"),
-])
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"m": 0}, "m \\(number of sub-spaces\\)"),
+        ({"bits": 9}, "bits must be None or an int in 1..8"),
+        ({"bits": 0}, "bits must be None or an int in 1..8"),
+        ({"token_budget": 0}, "token_budget must be > 0"),
+        ({"token_budget": -0.5}, "token_budget must be > 0"),
+        ({"token_budget": 2.5}, "neither a fraction"),
+        ({"n_init": -1}, "n_init must be an int >= 0"),
+        ({"n_local": 0}, "n_local must be None or an int >= 1"),
+        ({"kmeans_iters": 0}, "kmeans_iters must be 'auto' or an int >= 1"),
+        ({"kmeans_iters": "fast"}, "kmeans_iters must be 'auto'"),
+        ({"metric": "cosine"}, "metric must be 'l2' or 'ip'"),
+        ({"token_budget": 64, "n_init": 32, "n_local": 40}, "cannot hold n_init=32 sinks plus n_local=40"),
+    ],
+)
 def test_bad_config_raises_readable_error(kwargs, match):
     with pytest.raises(PQCacheConfigError, match=match):
         PQCacheConfig(**kwargs)

@@ -1,4 +1,5 @@
 """The bundled Gemma 3 270M: PQCache at 1/5 of the tokens answers a passkey question like full attention."""
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -16,11 +17,11 @@ def test_passkey_at_one_fifth_budget_matches_full(real_model, key, depth):
         full = model.generate(ids, max_new_tokens=7, do_sample=False, cache=DynamicCache(config=model.config))
         cache = PQCache(model, PQCacheConfig(token_budget=0.2))
         out = model.generate(ids, max_new_tokens=7, do_sample=False, cache=cache)
-    full_text = tok.decode(full[0, ids.shape[1]:])
-    pq_text = tok.decode(out[0, ids.shape[1]:])
+    full_text = tok.decode(full[0, ids.shape[1] :])
+    pq_text = tok.decode(out[0, ids.shape[1] :])
     assert key in full_text
     assert key in pq_text
-    assert out[0, ids.shape[1]:ids.shape[1] + 6].tolist() == full[0, ids.shape[1]:ids.shape[1] + 6].tolist()
+    assert out[0, ids.shape[1] : ids.shape[1] + 6].tolist() == full[0, ids.shape[1] : ids.shape[1] + 6].tolist()
     # PQ sits on Gemma 3's full-attention layers only (every 6th), sliding layers keep their window.
     assert [layer.layer_idx for layer in cache.pq_layers] == [5, 11, 17]
     layer = cache.pq_layers[0]
@@ -42,8 +43,16 @@ def test_load_model_from_local_folder(real_model, tmp_path):
 
     from pqcache.serving.loading import default_model_dir
 
-    LlamaForCausalLM(LlamaConfig(vocab_size=262144, hidden_size=32, intermediate_size=32, num_hidden_layers=1,
-                                 num_attention_heads=2, num_key_value_heads=1)).save_pretrained(tmp_path)
+    LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=262144,
+            hidden_size=32,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+    ).save_pretrained(tmp_path)
     real_model[1].save_pretrained(tmp_path)  # any tokenizer will do
     model, tok = load_model(str(tmp_path), device="cpu")
     assert type(model).__name__ == "LlamaForCausalLM"

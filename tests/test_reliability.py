@@ -1,4 +1,5 @@
 """Reliability through the Python API: bad input, cancellation, clustering-worker faults, many users."""
+
 import gc
 import threading
 import time
@@ -8,8 +9,15 @@ import torch
 
 from pqcache import PQCache, PQCacheConfig
 from pqcache.engine import pq
-from pqcache.engine.errors import (Cancelled, CapacityError, DocumentTooLongError, InputError, NoDocumentError,
-                            PQBuildError, SessionEvictedError)
+from pqcache.engine.errors import (
+    Cancelled,
+    CapacityError,
+    DocumentTooLongError,
+    InputError,
+    NoDocumentError,
+    PQBuildError,
+    SessionEvictedError,
+)
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import LoadSettings
@@ -215,8 +223,11 @@ def test_a_background_rebuild_that_hangs_is_noticed_while_decoding(model, monkey
     gate.release.set()  # the prefill's builds pass
     monkeypatch.setattr(pq, "train_centroids", gate)
     cache = PQCache(model, PQCacheConfig(**CONFIG, rebuild_every=1, pq_timeout_s=0.3))
-    token = model(torch.randint(1, 96, (1, 120), generator=torch.Generator().manual_seed(1)),
-                  cache=cache).logits[:, -1:].argmax(-1)
+    token = (
+        model(torch.randint(1, 96, (1, 120), generator=torch.Generator().manual_seed(1)), cache=cache)
+        .logits[:, -1:]
+        .argmax(-1)
+    )
     cache.wait()
     gate.release.clear()  # from now on the worker hangs (re-clustering every generated token)
     try:
@@ -255,8 +266,13 @@ def app_load(real_model):
 
     def load(name, text):
         try:
-            return qa.load_document(None, text, *LoadSettings().values(),
-                                    request=types.SimpleNamespace(session_hash=name), progress=lambda *a, **k: None)[0]
+            return qa.load_document(
+                None,
+                text,
+                *LoadSettings().values(),
+                request=types.SimpleNamespace(session_hash=name),
+                progress=lambda *a, **k: None,
+            )[0]
         finally:
             qa.pool.end(name)
 
@@ -275,8 +291,10 @@ def test_app_names_an_unexpected_error_without_a_traceback(app_load, monkeypatch
 
     monkeypatch.setattr(DocumentSession, "load", broken)
     status = app_load("unexpected", "some text")
-    assert status == ("**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
-                      "the details are in the server log")
+    assert status == (
+        "**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
+        "the details are in the server log"
+    )
 
 
 # ---- many users: the session pool -------------------------------------------------------------------------------

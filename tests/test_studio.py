@@ -1,5 +1,6 @@
 """The app's tabs in-process (no server): the load form's settings, the teaching tab's use of the pool and its
 errors, the idle reaper's flags. The app through a running server: test_app*.py, test_browser.py."""
+
 import inspect
 import threading
 import types
@@ -27,12 +28,21 @@ def test_load_settings_are_the_form_in_the_order_of_the_endpoint():
     from studio.qa import QATab
 
     params = list(inspect.signature(QATab.load_document).parameters)
-    form = params[params.index("pasted") + 1:params.index("request")]
+    form = params[params.index("pasted") + 1 : params.index("request")]
     assert form == [f.name for f in fields(LoadSettings)]
-    assert LoadSettings().values() == ["pqcache", 2, 6, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse"]
+    assert LoadSettings().values() == ["pqcache", 0, 0, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse"]
     config = LoadSettings().to_config(pq_timeout_s=8)
-    assert (config.m, config.bits, config.token_budget, config.n_init, config.n_local, config.cache_policy,
-            config.block_cache_tokens, config.pq_timeout_s) == (2, 6, 0.2, 32, None, "lfu", 1024, 8)
+    assert (
+        config.m,
+        config.bits,
+        config.token_budget,
+        config.n_init,
+        config.n_local,
+        config.cache_policy,
+        config.block_cache_tokens,
+        config.pq_timeout_s,
+    ) == (None, None, 0.2, 32, None, "lfu", 1024, 8)
+    assert (LoadSettings(m=2, bits=6).to_config().m, LoadSettings(m=2, bits=6).to_config().bits) == (2, 6)
     assert LoadSettings(budget="300", n_local=40).to_config().token_budget == 300
     assert LoadSettings(too_long="cut the middle").truncate == "middle" and LoadSettings().truncate == "refuse"
     assert LoadSettings().text_encoding is None and LoadSettings(encoding="cp1252").text_encoding == "cp1252"
@@ -96,8 +106,9 @@ def teaching(tmp_path):
 
 
 def run(tab):
-    state, status, rows, strip, spotlight = tab.run_teaching(["pqcache", "streaming"], FACT, 0.2, None,
-                                                             request=USER, progress=quiet)
+    state, status, rows, strip, spotlight = tab.run_teaching(
+        ["pqcache", "streaming"], FACT, 0.2, None, request=USER, progress=quiet
+    )
     return state, status, rows
 
 
@@ -142,8 +153,10 @@ def test_teaching_errors_are_messages_without_a_traceback(teaching, monkeypatch)
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
 
     monkeypatch.setattr(DocumentSession, "ask", broken)
-    message = ("**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
-               "the details are in the server log")
+    message = (
+        "**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
+        "the details are in the server log"
+    )
     text, figure = teaching.walkthrough("4. Fetch", state, USER)
     assert text == f"**4. Fetch.** {message}" and figure is None
     again, status, rows = run(teaching)

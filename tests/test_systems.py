@@ -1,4 +1,5 @@
 """Tiers, overlap, block cache, rebuilds and turns, instrumentation."""
+
 import json
 
 import pytest
@@ -28,8 +29,12 @@ def test_instrumentation_leaves_outputs_unchanged():
     assert torch.equal(scores_on, scores_off)
     data = obs.to_dict()
     json.dumps(data)  # plain data
-    assert {e["lane"] for e in data["events"]} >= {"device compute", "host clustering", "copy to host",
-                                                   "copy to device"}
+    assert {e["lane"] for e in data["events"]} >= {
+        "device compute",
+        "host clustering",
+        "copy to host",
+        "copy to device",
+    }
     assert data["attention"] and data["recall"] and data["blocks"]
     assert data["bytes"]["to_host"] > 0 and data["bytes"]["to_device"] > 0
 
@@ -85,8 +90,12 @@ def test_clustering_overlaps_later_layers_compute():
     clusters = [e for e in ev if e["lane"] == "host clustering"]
     computes = [e for e in ev if e["lane"] == "device compute"]
     assert len(clusters) == len(cache.pq_layers)
-    overlaps = [(c["layer"], d["layer"]) for c in clusters for d in computes
-                if d["layer"] > c["layer"] and c["start"] < d["end"] and d["start"] < c["end"]]
+    overlaps = [
+        (c["layer"], d["layer"])
+        for c in clusters
+        for d in computes
+        if d["layer"] > c["layer"] and c["start"] < d["end"] and d["start"] < c["end"]
+    ]
     assert overlaps, (clusters, computes)
     assert cache.pq_layers[0].stats["kmeans_iters"] == 25
 
@@ -196,10 +205,18 @@ def test_device_map_places_tiers_on_each_layers_device(tmp_path):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
-                            ).save_pretrained(tmp_path)
-    device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",
-                  "model.layers.2": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu"}
+    PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    ).save_pretrained(tmp_path)
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "cpu",
+        "model.layers.2": "cpu",
+        "model.norm": "cpu",
+        "model.rotary_emb": "cpu",
+        "lm_head": "cpu",
+    }
     loaded, _ = load_model(str(tmp_path), device_map=device_map)
     cache = PQCache(loaded, PQCacheConfig(token_budget=0.2, **SMALL))
     with torch.no_grad():

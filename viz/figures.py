@@ -3,18 +3,29 @@
 No model code here: every function takes plain dicts/lists and returns a go.Figure with a fixed
 height and a constant `uirevision`, so live updates keep the user's zoom and do not flicker.
 """
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
 
 HEIGHT = 300
-LANE_COLORS = {"device compute": "#4C78A8", "host clustering": "#F58518", "copy to host": "#54A24B",
-               "copy to device": "#B279A2"}
+LANE_COLORS = {
+    "device compute": "#4C78A8",
+    "host clustering": "#F58518",
+    "copy to host": "#54A24B",
+    "copy to device": "#B279A2",
+}
 
 
 def _layout(fig: go.Figure, title: str, **kw) -> go.Figure:
-    fig.update_layout(title=dict(text=title, font=dict(size=14)), height=HEIGHT, margin=dict(l=50, r=10, t=40, b=40),
-                      uirevision="keep", template="plotly_white", **kw)
+    fig.update_layout(
+        title=dict(text=title, font=dict(size=14)),
+        height=HEIGHT,
+        margin=dict(l=50, r=10, t=40, b=40),
+        uirevision="keep",
+        template="plotly_white",
+        **kw,
+    )
     return fig
 
 
@@ -48,9 +59,14 @@ def recall(data: dict) -> go.Figure:
     fig = go.Figure()
     for layer in sorted({r["layer"] for r in rows}):
         pts = [r for r in rows if r["layer"] == layer]
-        fig.add_trace(go.Scatter(x=[r["step"] for r in pts],
-                                 y=[sum(r["topk_recall"]) / len(r["topk_recall"]) for r in pts],
-                                 mode="lines+markers", name=f"layer {layer}"))
+        fig.add_trace(
+            go.Scatter(
+                x=[r["step"] for r in pts],
+                y=[sum(r["topk_recall"]) / len(r["topk_recall"]) for r in pts],
+                mode="lines+markers",
+                name=f"layer {layer}",
+            )
+        )
     fig.update_xaxes(title="decode step")
     fig.update_yaxes(title="recall", range=[0, 1.05])
     return _layout(fig, "PQ vs exact top-k recall")
@@ -64,9 +80,15 @@ def hit_rate(data: dict) -> go.Figure:
     fig = go.Figure()
     for layer in sorted({r["layer"] for r in rows}):
         pts = [r for r in rows if r["layer"] == layer]
-        fig.add_trace(go.Scatter(x=[r["step"] for r in pts],
-                                 y=[r["hits"] / max(1, r["hits"] + r["misses"]) for r in pts],
-                                 mode="lines", name=f"layer {layer}", opacity=0.6))
+        fig.add_trace(
+            go.Scatter(
+                x=[r["step"] for r in pts],
+                y=[r["hits"] / max(1, r["hits"] + r["misses"]) for r in pts],
+                mode="lines",
+                name=f"layer {layer}",
+                opacity=0.6,
+            )
+        )
     steps = sorted({r["step"] for r in rows})
     hits = misses = 0
     cum = []
@@ -90,10 +112,18 @@ def timeline(data: dict, max_events: int = 4000) -> go.Figure:
         ev = [e for e in events if e["lane"] == lane]
         if not ev:
             continue
-        fig.add_trace(go.Bar(base=[e["start"] for e in ev], x=[max(e["end"] - e["start"], 1e-5) for e in ev],
-                             y=[lane] * len(ev), orientation="h", name=lane, marker_color=LANE_COLORS.get(lane),
-                             customdata=[e["layer"] for e in ev],
-                             hovertemplate="layer %{customdata}<br>%{base:.3f}s + %{x:.4f}s<extra></extra>"))
+        fig.add_trace(
+            go.Bar(
+                base=[e["start"] for e in ev],
+                x=[max(e["end"] - e["start"], 1e-5) for e in ev],
+                y=[lane] * len(ev),
+                orientation="h",
+                name=lane,
+                marker_color=LANE_COLORS.get(lane),
+                customdata=[e["layer"] for e in ev],
+                hovertemplate="layer %{customdata}<br>%{base:.3f}s + %{x:.4f}s<extra></extra>",
+            )
+        )
     fig.update_xaxes(title="seconds")
     return _layout(fig, "CPU/GPU overlap timeline", barmode="overlay", showlegend=False)
 
@@ -104,14 +134,22 @@ def memory(stats: dict | None) -> go.Figure:
         return _empty("Memory per tier", "no document loaded")
     names = ["device KV", "host KV", "PQ codes + centroids"]
     values = [stats.get("device_kv_bytes", 0), stats.get("host_kv_bytes", 0), stats.get("pq_bytes", 0)]
-    fig = go.Figure(go.Bar(x=names, y=[v / 2**20 for v in values], marker_color=["#4C78A8", "#54A24B", "#F58518"],
-                           text=[f"{v / 2**20:.1f} MiB" for v in values], textposition="auto"))
+    fig = go.Figure(
+        go.Bar(
+            x=names,
+            y=[v / 2**20 for v in values],
+            marker_color=["#4C78A8", "#54A24B", "#F58518"],
+            text=[f"{v / 2**20:.1f} MiB" for v in values],
+            textposition="auto",
+        )
+    )
     fig.update_yaxes(title="MiB")
     return _layout(fig, "Memory per tier")
 
 
-def heat_strip(selections: dict[str, list[int]], n_tokens: int, marks: list[int] | None = None,
-               n_bins: int = 200) -> go.Figure:
+def heat_strip(
+    selections: dict[str, list[int]], n_tokens: int, marks: list[int] | None = None, n_bins: int = 200
+) -> go.Figure:
     """One row per method: how many attended positions fall in each slice of the document; the
     positions in `marks` (hidden facts) drawn as vertical lines."""
     if not selections:
@@ -125,8 +163,16 @@ def heat_strip(selections: dict[str, list[int]], n_tokens: int, marks: list[int]
                 row[p // width] += 1
         z.append(row)
         names.append(name)
-    fig = go.Figure(go.Heatmap(z=z, y=names, x=[i * width for i in range(len(z[0]))], colorscale="Viridis",
-                               showscale=False, hovertemplate="tokens %{x}+: %{z} attended<extra>%{y}</extra>"))
+    fig = go.Figure(
+        go.Heatmap(
+            z=z,
+            y=names,
+            x=[i * width for i in range(len(z[0]))],
+            colorscale="Viridis",
+            showscale=False,
+            hovertemplate="tokens %{x}+: %{z} attended<extra>%{y}</extra>",
+        )
+    )
     for m in marks or []:
         fig.add_vline(x=m, line=dict(color="red", width=2, dash="dot"))
     fig.update_xaxes(title="document position (tokens)")
@@ -140,8 +186,7 @@ def cost_curves(rows: list[dict]) -> go.Figure:
     fig = go.Figure()
     x = [r["context"] for r in rows]
     fig.add_trace(go.Scatter(x=x, y=[r["full_gib"] for r in rows], name="full KV cache", mode="lines+markers"))
-    fig.add_trace(go.Scatter(x=x, y=[r["pqcache_gib"] for r in rows], name="PQCache device tier",
-                             mode="lines+markers"))
+    fig.add_trace(go.Scatter(x=x, y=[r["pqcache_gib"] for r in rows], name="PQCache device tier", mode="lines+markers"))
     if rows[0].get("gpu_gib"):
         fig.add_hline(y=rows[0]["gpu_gib"], line=dict(color="red", dash="dash"), annotation_text="GPU memory")
     fig.update_xaxes(type="log", title="context length (tokens)")
@@ -160,10 +205,19 @@ def recall_grid(rows: list[dict]) -> go.Figure:
         lines.setdefault((r["m"], r["bits"], r["budget"]), {}).setdefault(r["rerank"], []).append(r["recall"])
     for (m, bits, budget), cells in sorted(lines.items()):
         xs = sorted(cells)
-        fig.add_trace(go.Scatter(x=xs, y=[sum(cells[x]) / len(cells[x]) for x in xs], mode="lines+markers",
-                                 name=f"m={m}, bits={bits}, budget {budget}",
-                                 hovertemplate="rerank %{x}: %{y:.3f}<extra></extra>"))
-    fig.update_xaxes(title="re-rank factor (PQ picks rerank x k candidates, exact scores pick k)", type="log",
-                     tickvals=sorted({r["rerank"] for r in rows}))
+        fig.add_trace(
+            go.Scatter(
+                x=xs,
+                y=[sum(cells[x]) / len(cells[x]) for x in xs],
+                mode="lines+markers",
+                name=f"m={m}, bits={bits}, budget {budget}",
+                hovertemplate="rerank %{x}: %{y:.3f}<extra></extra>",
+            )
+        )
+    fig.update_xaxes(
+        title="re-rank factor (PQ picks rerank x k candidates, exact scores pick k)",
+        type="log",
+        tickvals=sorted({r["rerank"] for r in rows}),
+    )
     fig.update_yaxes(title="top-k recall (mean over layers)", range=[0, 1.05])
     return _layout(fig, "Top-k recall on the bundled model's keys")

@@ -5,12 +5,13 @@ model to it. Cache.update() runs right before the attention call of the same lay
 thread, so update() leaves the layer in a thread-local slot and the attention function picks it up.
 Calls that find no PQ layer there (sliding-window layers, other caches, prefill) run exact SDPA.
 """
+
 from __future__ import annotations
 
 import threading
 import weakref
-from functools import partial
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import torch
 from transformers import AttentionInterface
@@ -20,10 +21,10 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.instrument import Instrumentation
-from pqcache.engine.methods import Method, make_method
 from pqcache.engine.iters import kmeans_iters_for, load_fit
-from pqcache.engine.shapes import head_dim_of
 from pqcache.engine.layer.layer import PQLayer
+from pqcache.engine.methods import Method, make_method
+from pqcache.engine.shapes import head_dim_of
 
 ATTN_NAME = "pqcache"
 _active = threading.local()
@@ -44,16 +45,23 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
     layer = getattr(_active, "layer", None)
     _active.layer = None
     if layer is None or layer.layer_idx != getattr(module, "layer_idx", None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     B, _, Q, _ = query.shape
     if not layer.prefilled:
-        out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-        layer.finish_prefill(_valid_from_mask(attention_mask, B, key.shape[2], key.device),
-                             query if layer.keep_queries else None, scaling)
+        out = sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
+        layer.finish_prefill(
+            _valid_from_mask(attention_mask, B, key.shape[2], key.device),
+            query if layer.keep_queries else None,
+            scaling,
+        )
         return out
-    new_valid = _valid_from_mask(attention_mask, B, layer.S + Q, query.device)[:, layer.S:]
+    new_valid = _valid_from_mask(attention_mask, B, layer.S + Q, query.device)[:, layer.S :]
     return layer.attend(query, new_valid, scaling, softcap=kwargs.get("softcap")), None
 
 
@@ -80,8 +88,9 @@ def register_attention():
 class PQCache(Cache):
     """PQ-retrieval KV cache. Use as `model.generate(ids, cache=PQCache(model, PQCacheConfig(...)))`."""
 
-    def __init__(self, model, config: PQCacheConfig | None = None, method: str | Method = "pqcache",
-                 keep_queries: bool = False):
+    def __init__(
+        self, model, config: PQCacheConfig | None = None, method: str | Method = "pqcache", keep_queries: bool = False
+    ):
         """model: a transformers causal LM (switched to the "pqcache" attention function), or just its
         config (a cache filled by hand, e.g. in benchmarks). method: how the middle tokens are picked
         (methods/: pqcache, oracle, full, streaming, h2o, snapkv, pyramidkv, sparq, infllm).
@@ -99,8 +108,14 @@ class PQCache(Cache):
         layers = []
         for idx, (kind, kw) in enumerate(zip(layer_types, per_layer_kwargs)):
             if kind == "full_attention":
-                layer = PQLayer(self.pq_config, idx, self.executor, iters_for, self.method,
-                                depth=(sum(isinstance(x, PQLayer) for x in layers), n_full))
+                layer = PQLayer(
+                    self.pq_config,
+                    idx,
+                    self.executor,
+                    iters_for,
+                    self.method,
+                    depth=(sum(isinstance(x, PQLayer) for x in layers), n_full),
+                )
                 layer.keep_queries = keep_queries or self.method.needs_prefill_queries
                 layers.append(layer)
             else:
@@ -147,8 +162,10 @@ class PQCache(Cache):
                             obs.sync()
                         obs.event("device compute", idx, starts.pop(idx), obs.now())
 
-                self._hooks += [module.register_forward_pre_hook(pre, with_kwargs=True),
-                                module.register_forward_hook(post, with_kwargs=True)]
+                self._hooks += [
+                    module.register_forward_pre_hook(pre, with_kwargs=True),
+                    module.register_forward_hook(post, with_kwargs=True),
+                ]
         return obs
 
     def _is_mine(self, kwargs) -> bool:
@@ -188,19 +205,24 @@ class PQCache(Cache):
         total["notices"] = [layer.fallback for layer in self.pq_layers if layer.fallback]
         return total
 
-    def fork(self, method: str | Method) -> "PQCache":
-        """A copy of this prefilled cache that continues with another method: comparing N methods costs
-        one prefill. Tensors are copied, so the forks decode independently. Create the cache with
-        keep_queries=True for methods that need prefill statistics (H2O, SnapKV, PyramidKV, InfLLM)."""
+    def fork(self, method: str | Method, config: PQCacheConfig | None = None) -> PQCache:
+        """A copy of this prefilled cache that continues with another method (and optionally other
+        settings): comparing N methods costs one prefill. The host tier is shared read-only, the rest
+        is copied, so the forks decode independently. Create the cache with keep_queries=True for
+        methods that need prefill statistics (H2O, SnapKV, PyramidKV, InfLLM)."""
         import copy
 
         self.wait()
         new = copy.copy(self)
         new.method = make_method(method)
+        if config is not None:
+            new.pq_config = config.for_head_dim(self.layers[self.pq_layers[0].layer_idx].host.D)
         new.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans")
         new.observer, new._hooks = None, []
-        new.layers = [layer.fork(new.method, new.executor) if isinstance(layer, PQLayer) else copy.deepcopy(layer)
-                      for layer in self.layers]
+        new.layers = [
+            layer.fork(new.method, new.executor, new.pq_config) if isinstance(layer, PQLayer) else copy.deepcopy(layer)
+            for layer in self.layers
+        ]
         return new
 
     def close(self):

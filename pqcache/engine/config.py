@@ -1,4 +1,5 @@
 """PQCacheConfig: every knob of the engine in one validated dataclass."""
+
 from __future__ import annotations
 
 import math
@@ -75,11 +76,16 @@ class PQCacheConfig:
         if not _is_int(self.n_init) or self.n_init < 0:
             errors.append(f"n_init must be an int >= 0, got {self.n_init!r}")
         if self.n_local is not None and (not _is_int(self.n_local) or self.n_local < 1):
-            errors.append(f"n_local must be None or an int >= 1 (the current token is always local), got {self.n_local!r}")
+            errors.append(
+                f"n_local must be None or an int >= 1 (the current token is always local), got {self.n_local!r}"
+            )
         if not _is_int(self.seed):
             errors.append(f"seed must be an int, got {self.seed!r}")
-        if isinstance(self.local_ratio, bool) or not isinstance(self.local_ratio, (int, float)) \
-                or not 0 < self.local_ratio < 1:
+        if (
+            isinstance(self.local_ratio, bool)
+            or not isinstance(self.local_ratio, (int, float))
+            or not 0 < self.local_ratio < 1
+        ):
             errors.append(f"local_ratio must be in (0, 1), got {self.local_ratio!r}")
         k = self.kmeans_iters
         if not (k == "auto" or (_is_int(k) and k >= 1)):
@@ -94,10 +100,15 @@ class PQCacheConfig:
             errors.append(f"rerank must be an int >= 1 (1: PQ scores alone), got {self.rerank!r}")
         if not _is_int(self.block_size) or self.block_size < 1:
             errors.append(f"block_size must be an int >= 1, got {self.block_size!r}")
-        elif not _is_int(self.block_cache_tokens) or self.block_cache_tokens < 0 \
-                or self.block_cache_tokens % self.block_size:
-            errors.append(f"block_cache_tokens must be 0 or a multiple of block_size={self.block_size}, "
-                          f"got {self.block_cache_tokens!r}")
+        elif (
+            not _is_int(self.block_cache_tokens)
+            or self.block_cache_tokens < 0
+            or self.block_cache_tokens % self.block_size
+        ):
+            errors.append(
+                f"block_cache_tokens must be 0 or a multiple of block_size={self.block_size}, "
+                f"got {self.block_cache_tokens!r}"
+            )
         if not _is_int(self.block_admit) or self.block_admit < 1:
             errors.append(f"block_admit must be an int >= 1, got {self.block_admit!r}")
         if self.cache_policy not in ("lru", "lfu"):
@@ -109,7 +120,8 @@ class PQCacheConfig:
         if not errors and self.is_absolute_budget and self.n_local is not None:
             if self.n_init + self.n_local > int(b):
                 errors.append(
-                    f"token_budget={int(b)} tokens cannot hold n_init={self.n_init} sinks plus n_local={self.n_local} recent tokens"
+                    f"token_budget={int(b)} tokens cannot hold n_init={self.n_init} sinks plus "
+                    f"n_local={self.n_local} recent tokens"
                 )
         t = self.pq_timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):

@@ -14,6 +14,7 @@ PQCacheError                    base of everything below
   PQBuildError                  a clustering worker failed or timed out (on_pq_failure="raise")
   Cancelled                     a stop request ended a prefill or a generation
 """
+
 from __future__ import annotations
 
 

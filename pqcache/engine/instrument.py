@@ -14,6 +14,7 @@ Records
   selected   (selections=True) per layer and step: the positions each row and KV head attended to
   bytes      bytes moved to the host tier and to the device tier
 """
+
 from __future__ import annotations
 
 import threading
@@ -26,8 +27,15 @@ LANES = ("device compute", "host clustering", "copy to host", "copy to device")
 
 
 class Instrumentation:
-    def __init__(self, timeline: bool = True, attention_every: int = 0, recall_every: int = 0,
-                 selections: bool = False, max_events: int = 50_000, n_sorted: int = 64):
+    def __init__(
+        self,
+        timeline: bool = True,
+        attention_every: int = 0,
+        recall_every: int = 0,
+        selections: bool = False,
+        max_events: int = 50_000,
+        n_sorted: int = 64,
+    ):
         self.timeline = timeline
         self.selections = selections
         self.attention_every = attention_every
@@ -79,14 +87,36 @@ class Instrumentation:
         n = probs_sorted.numel()
         ranks = torch.unique(torch.logspace(0, torch.log10(torch.tensor(float(max(n, 1)))), self.n_sorted).long()) - 1
         ranks = ranks[ranks < n]
-        self.attention.append({"layer": layer, "step": step, "n_tokens": n, "rank": (ranks + 1).tolist(),
-                               "prob": probs_sorted[ranks].tolist()})
+        self.attention.append(
+            {
+                "layer": layer,
+                "step": step,
+                "n_tokens": n,
+                "rank": (ranks + 1).tolist(),
+                "prob": probs_sorted[ranks].tolist(),
+            }
+        )
 
-    def record_recall(self, layer: int, step: int, topk_recall: list[float], mass_recall: list[float], k: int,
-                      qhead_recall: list[float] | None = None):
+    def record_recall(
+        self,
+        layer: int,
+        step: int,
+        topk_recall: list[float],
+        mass_recall: list[float],
+        k: int,
+        qhead_recall: list[float] | None = None,
+    ):
         """topk_recall, mass_recall per KV head; qhead_recall per query head (its own exact top-k)."""
-        self.recall.append({"layer": layer, "step": step, "k": k, "topk_recall": topk_recall,
-                            "mass_recall": mass_recall, "qhead_recall": qhead_recall})
+        self.recall.append(
+            {
+                "layer": layer,
+                "step": step,
+                "k": k,
+                "topk_recall": topk_recall,
+                "mass_recall": mass_recall,
+                "qhead_recall": qhead_recall,
+            }
+        )
 
     def record_selection(self, layer: int, step: int, positions: list[list[list[int]]]):
         """positions[b][h]: the token positions that row b, KV head h attended to at this step."""
@@ -102,6 +132,12 @@ class Instrumentation:
 
     def to_dict(self) -> dict:
         with self._lock:
-            return {"lanes": list(LANES), "events": list(self.events), "attention": list(self.attention),
-                    "recall": list(self.recall), "blocks": list(self.blocks), "selected": list(self.selected),
-                    "bytes": dict(self.bytes)}
+            return {
+                "lanes": list(LANES),
+                "events": list(self.events),
+                "attention": list(self.attention),
+                "recall": list(self.recall),
+                "blocks": list(self.blocks),
+                "selected": list(self.selected),
+                "bytes": dict(self.bytes),
+            }

@@ -4,6 +4,7 @@ T_max = (c2 s^2 + b2 s + a2 - a1) / (b1 s): the most iterations whose clustering
 still hides behind the prefill compute time (a2 + b2 s + c2 s^2). The fit comes from
 `python -m pqcache calibrate`; without one, DEFAULT_ITERS is used.
 """
+
 from __future__ import annotations
 
 import json

@@ -3,6 +3,7 @@
 Shapes: B batch, H KV heads, S tokens, D head_dim, m sub-spaces of d = D/m dims, C = 2**bits centroids,
 R query rows scored against one KV head (GQA group size x query tokens).
 """
+
 from __future__ import annotations
 
 import faiss
@@ -22,8 +23,14 @@ def train_subspace(x: np.ndarray, n_centroids: int, iters: int, metric: str, see
             cents[n:] = x[0]
         return cents
     km = faiss.Kmeans(
-        d, n_centroids, niter=iters, seed=seed, verbose=False, spherical=(metric == "ip"),
-        min_points_per_centroid=1, max_points_per_centroid=256,
+        d,
+        n_centroids,
+        niter=iters,
+        seed=seed,
+        verbose=False,
+        spherical=(metric == "ip"),
+        min_points_per_centroid=1,
+        max_points_per_centroid=256,
     )
     km.train(np.ascontiguousarray(x, dtype=np.float32))
     return km.centroids.reshape(n_centroids, d).astype(np.float32, copy=False)
@@ -75,7 +82,6 @@ def approx_scores(tables: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     in place, so the codes are read once.
     """
     B, H, m, C, R = tables.shape
-    S = codes.shape[-1]
     flat = tables.reshape(B * H * m * C, R)
     base = (torch.arange(B * H, device=codes.device, dtype=torch.int32) * (m * C)).view(B, H, 1)
     out = None

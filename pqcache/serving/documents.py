@@ -4,6 +4,7 @@ Everything that cannot become useful text raises DocumentError (or DocumentEncod
 message that says what to do. Text files must be UTF-8 (a BOM, UTF-8 or UTF-16, is honoured) unless
 `encoding` names another codec: guessing a legacy codepage silently would garble the answers.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -43,8 +44,9 @@ def decode_text(data: bytes, name: str, encoding: str | None = None) -> str:
         except LookupError:
             raise DocumentEncodingError(f"unknown text encoding {encoding!r}") from None
         except UnicodeDecodeError as exc:
-            raise DocumentEncodingError(f"{name} is not valid {encoding} text (byte 0x{data[exc.start]:02x} at "
-                                        f"offset {exc.start})") from None
+            raise DocumentEncodingError(
+                f"{name} is not valid {encoding} text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+            ) from None
     if data.startswith((codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)):
         return data.decode("utf-16")
     if looks_binary(data):
@@ -54,7 +56,8 @@ def decode_text(data: bytes, name: str, encoding: str | None = None) -> str:
     except UnicodeDecodeError as exc:
         raise DocumentEncodingError(
             f"{name} is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start}): save it as UTF-8, "
-            "or choose its encoding (for example cp1252 or latin-1)") from None
+            "or choose its encoding (for example cp1252 or latin-1)"
+        ) from None
 
 
 def read_pdf(path: str, name: str) -> str:
@@ -70,13 +73,15 @@ def read_pdf(path: str, name: str) -> str:
     except Exception as exc:  # pypdf raises many kinds (struct, zlib, key, recursion errors) on broken files
         raise DocumentError(f"could not read the PDF {name}: {exc or type(exc).__name__}") from exc
     if not text.strip():
-        raise DocumentError(f"{name} has no text layer (a scanned or image-only PDF?): run OCR on it or paste the "
-                            "text instead")
+        raise DocumentError(
+            f"{name} has no text layer (a scanned or image-only PDF?): run OCR on it or paste the text instead"
+        )
     return text
 
 
-def read_document(path: str | None = None, text: str | None = None, encoding: str | None = None,
-                  max_bytes: int = MAX_DOCUMENT_BYTES) -> str:
+def read_document(
+    path: str | None = None, text: str | None = None, encoding: str | None = None, max_bytes: int = MAX_DOCUMENT_BYTES
+) -> str:
     """The text of the file at `path` (.txt, .md, .pdf), else `text` (pasted). Raises DocumentError."""
     if path:
         name = os.path.basename(path)

@@ -1,5 +1,6 @@
 """Greedy generation, gpt-fast style: prefill / decode_one_token / decode_n_tokens, the one loop used by
 the CLI's generate, the document session's answers and the evaluation."""
+
 from __future__ import annotations
 
 import time
@@ -16,7 +17,7 @@ from pqcache.engine.methods import METHODS
 
 
 def make_cache(model, method: str, config: PQCacheConfig | None = None):
-    """"full" is transformers' own DynamicCache (the reference); every other method a PQCache."""
+    """ "full" is transformers' own DynamicCache (the reference); every other method a PQCache."""
     if method == "full":
         return DynamicCache(config=model.config)
     if method not in METHODS:
@@ -57,8 +58,9 @@ class Decoded:
 
 
 @torch.no_grad()
-def decode_n_tokens(model, logits: torch.Tensor, cache, max_new_tokens: int, eos=frozenset(), on_token=None,
-                    stop=None, lock=None) -> Decoded:
+def decode_n_tokens(
+    model, logits: torch.Tensor, cache, max_new_tokens: int, eos=frozenset(), on_token=None, stop=None, lock=None
+) -> Decoded:
     """Greedy decode of one row from the prefill's next-token logits (1, V), at most max_new_tokens tokens.
 
     Ends at an EOS id (not kept), after max_new_tokens (no forward is run for a token that is not kept), or when
@@ -86,8 +88,12 @@ def decode_n_tokens(model, logits: torch.Tensor, cache, max_new_tokens: int, eos
 def cache_bytes(cache) -> dict:
     if isinstance(cache, PQCache):
         return cache.stats()
-    return {"device_kv_bytes": sum(kv_bytes(layer) for layer in cache.layers), "host_kv_bytes": 0, "pq_bytes": 0,
-            "kmeans_iters": None}
+    return {
+        "device_kv_bytes": sum(kv_bytes(layer) for layer in cache.layers),
+        "host_kv_bytes": 0,
+        "pq_bytes": 0,
+        "kmeans_iters": None,
+    }
 
 
 @dataclass
@@ -97,8 +103,15 @@ class Generation:
     stats: dict = field(default_factory=dict)
 
 
-def generate(model, tokenizer, prompt: str, method: str = "pqcache", config: PQCacheConfig | None = None,
-             max_new_tokens: int = 32, on_token=None) -> Generation:
+def generate(
+    model,
+    tokenizer,
+    prompt: str,
+    method: str = "pqcache",
+    config: PQCacheConfig | None = None,
+    max_new_tokens: int = 32,
+    on_token=None,
+) -> Generation:
     """Greedy decode of `prompt`; on_token(text_so_far) is called after each token."""
     if max_new_tokens < 1:
         raise InputError("max_new_tokens must be >= 1")

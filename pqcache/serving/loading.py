@@ -3,6 +3,7 @@
 The GGUF is de-quantized by transformers (~50 s); the result is saved once as safetensors under
 $PQCACHE_HOME/models/ so that later loads take seconds. Nothing is downloaded at run time.
 """
+
 from __future__ import annotations
 
 import os

@@ -14,6 +14,7 @@ Each user (a browser tab, a gradio_client) has an id and at most one document ca
 A question works on a fork of the document cache; that working copy lives only while the answer is
 generated and is not counted here.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -101,9 +102,12 @@ class SessionPool:
     def summary(self) -> dict:
         """Users with a loaded document, users with a request in flight, cache bytes and the cap."""
         with self.lock:
-            return {"users": sum(1 for e in self.entries.values() if e.sessions),
-                    "busy": sum(1 for e in self.entries.values() if e.busy),
-                    "cache_bytes": self.total_bytes(), "max_bytes": self.max_bytes}
+            return {
+                "users": sum(1 for e in self.entries.values() if e.sessions),
+                "busy": sum(1 for e in self.entries.values() if e.busy),
+                "cache_bytes": self.total_bytes(),
+                "max_bytes": self.max_bytes,
+            }
 
     def total_bytes(self) -> int:
         with self.lock:
@@ -115,13 +119,17 @@ class SessionPool:
         with self.lock:
             entry = self.entry(user)
             if nbytes > self.max_bytes:  # refused before anything is freed: the old document stays
-                raise CapacityError(f"this document needs about {_gib(nbytes)} of cache; the server allows "
-                                    f"{_gib(self.max_bytes)} in all: use a shorter document")
+                raise CapacityError(
+                    f"this document needs about {_gib(nbytes)} of cache; the server allows "
+                    f"{_gib(self.max_bytes)} in all: use a shorter document"
+                )
             self._free(user, slot, None)  # the slot's old document goes first
             self._evict_until(self.max_bytes - nbytes, keep=user)
             if self.total_bytes() + nbytes > self.max_bytes:
-                raise CapacityError(f"the server's cache memory ({_gib(self.max_bytes)}) is held by users who are "
-                                    "generating right now: try again in a moment")
+                raise CapacityError(
+                    f"the server's cache memory ({_gib(self.max_bytes)}) is held by users who are "
+                    "generating right now: try again in a moment"
+                )
             entry.nbytes[slot] = nbytes
 
     def store(self, user: str, slot: str, session):
@@ -143,14 +151,17 @@ class SessionPool:
 
     def _evict_until(self, limit: int, keep: str):
         while self.total_bytes() > limit:
-            idle = [(e.last_used, u) for u, e in self.entries.items()
-                    if u != keep and e.busy == 0 and e.sessions]
+            idle = [(e.last_used, u) for u, e in self.entries.items() if u != keep and e.busy == 0 and e.sessions]
             if not idle:
                 return
             _, victim = min(idle)
             for slot in list(self.entries[victim].sessions):
-                self._free(victim, slot, f"your document was unloaded to make room for another user (the server "
-                                         f"keeps at most {_gib(self.max_bytes)} of caches); load it again")
+                self._free(
+                    victim,
+                    slot,
+                    f"your document was unloaded to make room for another user (the server "
+                    f"keeps at most {_gib(self.max_bytes)} of caches); load it again",
+                )
 
     def _free(self, user: str, slot: str, why: str | None):
         entry = self.entries.get(user)
@@ -193,8 +204,11 @@ class SessionPool:
                 if entry.busy == 0 and now - entry.last_used > self.idle_s:
                     if entry.sessions:
                         for slot in list(entry.sessions):
-                            self._free(user, slot, f"your document was unloaded after {self.idle_s:g} s without a "
-                                                   "request; load it again")
+                            self._free(
+                                user,
+                                slot,
+                                f"your document was unloaded after {self.idle_s:g} s without a request; load it again",
+                            )
                         reaped.append(user)
                     elif not entry.notice and not entry.freed:
                         del self.entries[user]  # nothing left to tell them

@@ -8,6 +8,7 @@ The model may be shared by several sessions on several threads: per-layer hooks 
 act only on the thread that installed them. A set `stop` event ends a prefill (at the next layer),
 the clustering wait, or a generation (at the next token); a stopped prefill frees its cache.
 """
+
 from __future__ import annotations
 
 import threading
@@ -52,8 +53,11 @@ def layer_hooks(model, on_layer=None, stop: threading.Event | None = None):
         if stop is not None:
             hooks.append(module.register_forward_pre_hook(pre))
         if on_layer is not None:
-            hooks.append(module.register_forward_hook(
-                lambda m, a, o, idx=idx: on_layer(idx) if threading.get_ident() == me else None))
+            hooks.append(
+                module.register_forward_hook(
+                    lambda m, a, o, idx=idx: on_layer(idx) if threading.get_ident() == me else None
+                )
+            )
     try:
         yield
     finally:
@@ -64,12 +68,18 @@ def layer_hooks(model, on_layer=None, stop: threading.Event | None = None):
 def truncate_middle(ids: torch.Tensor, max_tokens: int) -> torch.Tensor:
     """ids (1, S) -> (1, max_tokens): the first and last halves kept, the middle cut (as LongBench)."""
     head = max_tokens // 2
-    return torch.cat([ids[:, :head], ids[:, ids.shape[1] - (max_tokens - head):]], dim=1)
+    return torch.cat([ids[:, :head], ids[:, ids.shape[1] - (max_tokens - head) :]], dim=1)
 
 
 class DocumentSession:
-    def __init__(self, model, tokenizer, config: PQCacheConfig | None = None, method: str = "pqcache",
-                 max_tokens: int | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        config: PQCacheConfig | None = None,
+        method: str = "pqcache",
+        max_tokens: int | None = None,
+    ):
         """max_tokens: the longest document accepted (default: what the model reads, less ANSWER_ROOM)."""
         self.model, self.tokenizer = model, tokenizer
         self.max_tokens = max_tokens
@@ -104,12 +114,15 @@ class DocumentSession:
         per_token = 2 * n_kv * head_dim * next(self.model.parameters()).element_size()
         cfg = self.config
         full = n_tokens + cfg.budget_tokens(n_tokens) + min(cfg.block_cache_tokens, n_tokens // 4)
-        return per_token * sum(full if kind == "full_attention" else min(n_tokens, kw.get("sliding_window") or n_tokens)
-                               for kind, kw in zip(layer_types, kwargs))
+        return per_token * sum(
+            full if kind == "full_attention" else min(n_tokens, kw.get("sliding_window") or n_tokens)
+            for kind, kw in zip(layer_types, kwargs)
+        )
 
     @torch.no_grad()
-    def load(self, text: str, progress=None, stop: threading.Event | None = None, truncate: str = "refuse",
-             reserve=None) -> dict:
+    def load(
+        self, text: str, progress=None, stop: threading.Event | None = None, truncate: str = "refuse", reserve=None
+    ) -> dict:
         """Prefill `text` (progress(fraction, message) per layer and per clustered layer).
 
         A document longer than the model reads raises DocumentTooLongError, or with truncate="middle"
@@ -122,9 +135,12 @@ class DocumentSession:
         n_doc, limit = int(ids.shape[1]), self.max_document_tokens
         if limit and n_doc > limit:
             if truncate == "refuse":
-                raise DocumentTooLongError(f"the document has {n_doc} tokens; at most {limit} fit (with room for the "
-                                           "question and answer): shorten it, or choose to cut its middle",
-                                           n_doc, limit)
+                raise DocumentTooLongError(
+                    f"the document has {n_doc} tokens; at most {limit} fit (with room for the "
+                    "question and answer): shorten it, or choose to cut its middle",
+                    n_doc,
+                    limit,
+                )
             ids = truncate_middle(ids, limit)
         cache = PQCache(self.model, self.config, method=self.method, keep_queries=True)  # checks config vs model
         try:
@@ -136,9 +152,15 @@ class DocumentSession:
         self.close()  # the new document replaces the old one
         obs = cache.instrument(timeline=True)
         n_layers = len(cache.layers)
-        on_layer = None if progress is None else (
-            lambda idx: progress(0.9 * (idx + 1) / n_layers,
-                                 f"prefill: {ids.shape[1]} tokens, layer {idx + 1}/{n_layers}"))
+        on_layer = (
+            None
+            if progress is None
+            else (
+                lambda idx: progress(
+                    0.9 * (idx + 1) / n_layers, f"prefill: {ids.shape[1]} tokens, layer {idx + 1}/{n_layers}"
+                )
+            )
+        )
         try:
             with self.lock, layer_hooks(self.model, on_layer, stop):
                 t0 = time.perf_counter()
@@ -170,8 +192,15 @@ class DocumentSession:
         self.cache, self.prefill_obs, self.n_tokens = None, None, 0
 
     @torch.no_grad()
-    def ask(self, question: str, method: str | None = None, max_new_tokens: int = 64,
-            stop: threading.Event | None = None, observer: Instrumentation | None = None, on_token=None) -> Answer:
+    def ask(
+        self,
+        question: str,
+        method: str | None = None,
+        max_new_tokens: int = 64,
+        stop: threading.Event | None = None,
+        observer: Instrumentation | None = None,
+        on_token=None,
+    ) -> Answer:
         """Answer `question` about the loaded document; on_token(answer) after each token."""
         if self.cache is None:
             raise NoDocumentError("load a document first")
@@ -201,8 +230,9 @@ class DocumentSession:
                 answer.stopped = True
             else:  # the next token's check of `stop` ends the answer (Stop halts at the next token)
                 eos = eos_token_ids(self.model, self.tokenizer)
-                decoded = decode_n_tokens(self.model, logits, cache, max_new_tokens, eos, show, stop=stop,
-                                          lock=self.lock)
+                decoded = decode_n_tokens(
+                    self.model, logits, cache, max_new_tokens, eos, show, stop=stop, lock=self.lock
+                )
                 answer.tokens, answer.stopped = decoded.tokens, decoded.stopped
         finally:
             self.last_stats = cache.stats()

@@ -5,6 +5,7 @@ floats, strings or None. `to_config()` checks them and builds the PQCacheConfig;
 them in the order of the app's `/load_document` endpoint (after the file and the pasted text).
 No gradio here: the load test and the tests import it without a server.
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,8 @@ class LoadSettings:
     """The load form, in the order of its fields on the page and in the API call."""
 
     method: str = "pqcache"
-    m: object = 2  # sub-spaces
-    bits: object = 6
+    m: object = 0  # sub-spaces; 0: chosen from the model's head size (sub-spaces of at most 64 dimensions)
+    bits: object = 0  # per code; 0: chosen from the document's length
     budget: object = 0.2  # token budget: a fraction of the document, or a count
     n_init: object = 32  # sink tokens
     n_local: object = 0  # recent window; 0: half of what the budget leaves after the sinks
@@ -47,18 +48,23 @@ class LoadSettings:
         """The form's values in the order `/load_document` takes them."""
         return list(astuple(self))
 
-    def to_config(self, pq_timeout_s: float | None = PQCacheConfig.pq_timeout_s,
-                  block_size: int = PQCacheConfig.block_size) -> PQCacheConfig:
+    def to_config(
+        self, pq_timeout_s: float | None = PQCacheConfig.pq_timeout_s, block_size: int = PQCacheConfig.block_size
+    ) -> PQCacheConfig:
         """The engine's config (PQCacheConfigError names the field typed wrong). The block cache holds whole
         blocks of `block_size` tokens: its capacity is rounded down to a multiple of it."""
         budget = number(self.budget, "token budget")
-        return PQCacheConfig(m=number(self.m, "m", True), bits=number(self.bits, "bits", True),
-                             token_budget=int(budget) if budget > 1 else budget,
-                             n_init=number(self.n_init, "sink tokens", True),
-                             n_local=number(self.n_local, "window", True) or None, cache_policy=self.policy,
-                             block_size=block_size,
-                             block_cache_tokens=number(self.capacity, "block cache", True) // block_size * block_size,
-                             pq_timeout_s=pq_timeout_s)
+        return PQCacheConfig(
+            m=number(self.m, "m", True) or None,
+            bits=number(self.bits, "bits", True) or None,
+            token_budget=int(budget) if budget > 1 else budget,
+            n_init=number(self.n_init, "sink tokens", True),
+            n_local=number(self.n_local, "window", True) or None,
+            cache_policy=self.policy,
+            block_size=block_size,
+            block_cache_tokens=number(self.capacity, "block cache", True) // block_size * block_size,
+            pq_timeout_s=pq_timeout_s,
+        )
 
     @property
     def text_encoding(self) -> str | None:

@@ -1,4 +1,5 @@
 """Benchmarks that print ratios measured side by side in one run (absolute times here are noisy)."""
+
 from __future__ import annotations
 
 import statistics
@@ -55,8 +56,20 @@ def filled_layer(keys, values, config: PQCacheConfig, iters: int = 10, method=No
     return layer
 
 
-def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128, budget=0.1,
-                    m=None, bits=None, rerank=None, repeats=15, seed=0, device="cpu", dtype=torch.float32) -> list[dict]:
+def bench_attention(
+    seq_lens=(4096, 16384, 65536),
+    n_q=32,
+    n_kv=8,
+    head_dim=128,
+    budget=0.1,
+    m=None,
+    bits=None,
+    rerank=None,
+    repeats=15,
+    seed=0,
+    device="cpu",
+    dtype=torch.float32,
+) -> list[dict]:
     """One decode step of one layer (Llama-3.1-8B head shapes): dense SDPA over s tokens against the
     PQCache step (PQ search + exact re-rank + top-k + gather + attention + appending the new token),
     with the search's and the re-rank's share of the step. m, bits, rerank: None for the defaults.
@@ -65,7 +78,7 @@ def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128,
     settings = {k: v for k, v in {"m": m, "bits": bits, "rerank": rerank}.items() if v is not None}
     gen = torch.Generator().manual_seed(seed)
     rows = []
-    scaling = head_dim ** -0.5
+    scaling = head_dim**-0.5
     sync = torch.cuda.synchronize if str(device).startswith("cuda") else None
 
     def rand(*shape):
@@ -74,7 +87,9 @@ def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128,
     for s in seq_lens:
         keys = rand(1, n_kv, s, head_dim)
         values = rand(1, n_kv, s, head_dim)
-        cfg = PQCacheConfig(token_budget=budget, kmeans_iters=10, block_cache_tokens=0, **settings).for_head_dim(head_dim)
+        cfg = PQCacheConfig(token_budget=budget, kmeans_iters=10, block_cache_tokens=0, **settings).for_head_dim(
+            head_dim
+        )
         layer = filled_layer(keys, values, cfg)
         q = rand(1, n_q, 1, head_dim)
         k_new = rand(1, n_kv, 1, head_dim)
@@ -107,19 +122,38 @@ def bench_attention(seq_lens=(4096, 16384, 65536), n_q=32, n_kv=8, head_dim=128,
             for name, fn in (("dense", dense), ("pq", pq_step), ("search", search), ("rerank", rerank_stage)):
                 times[name].append(_median_ms(fn, 1, sync))
         d, p, sr, rr = (statistics.median(times[x]) for x in ("dense", "pq", "search", "rerank"))
-        rows.append({"seq_len": s, "m": cfg.m, "bits": layer.method_state["index"].bits, "rerank": cfg.rerank, "dense_ms": round(d, 3),
-                     "pqcache_ms": round(p, 3), "speedup": round(d / p, 2), "search_share": round(min(sr / p, 1.0), 3),
-                     "rerank_share": round(min(rr / p, 1.0), 3)})
+        rows.append(
+            {
+                "seq_len": s,
+                "m": cfg.m,
+                "bits": layer.method_state["index"].bits,
+                "rerank": cfg.rerank,
+                "dense_ms": round(d, 3),
+                "pqcache_ms": round(p, 3),
+                "speedup": round(d / p, 2),
+                "search_share": round(min(sr / p, 1.0), 3),
+                "rerank_share": round(min(rr / p, 1.0), 3),
+            }
+        )
     return rows
 
 
-def bench_decode(seq_lens=(4096, 32768), budget_tokens=1024, shapes="llama", repeats=15, device="cpu",
-                 dtype=torch.float32) -> list[dict]:
+def bench_decode(
+    seq_lens=(4096, 32768), budget_tokens=1024, shapes="llama", repeats=15, device="cpu", dtype=torch.float32
+) -> list[dict]:
     """Decode attention cost per step as the context grows, at a fixed token budget: dense grows
     with s, the PQCache step only through the PQ scan over the codes."""
     n_q, n_kv, head_dim = SHAPES[shapes]
-    rows = bench_attention(seq_lens, n_q=n_q, n_kv=n_kv, head_dim=head_dim, budget=budget_tokens, repeats=repeats,
-                           device=device, dtype=dtype)
+    rows = bench_attention(
+        seq_lens,
+        n_q=n_q,
+        n_kv=n_kv,
+        head_dim=head_dim,
+        budget=budget_tokens,
+        repeats=repeats,
+        device=device,
+        dtype=dtype,
+    )
     base = rows[0]
     for r in rows:
         r["dense_growth"] = round(r["dense_ms"] / base["dense_ms"], 2)
@@ -166,8 +200,11 @@ def bench_ttft(model, tokenizer, seq_lens=(8192,), config: PQCacheConfig | None 
             cache.wait()
             pqs.append(time.perf_counter() - t0)
             st = cache.stats()
-            info = {"kmeans_iters": st["kmeans_iters"], "pq_prefill_only_s": round(prefill_s, 3),
-                    "pq_ready_before_use": all(r["pq_ready_before_use"] for r in st["layers"])}
+            info = {
+                "kmeans_iters": st["kmeans_iters"],
+                "pq_prefill_only_s": round(prefill_s, 3),
+                "pq_ready_before_use": all(r["pq_ready_before_use"] for r in st["layers"]),
+            }
             cache.close()
         f, p = min(full), min(pqs)
         rows.append({"seq_len": s, "full_s": round(f, 3), "pqcache_s": round(p, 3), "ratio": round(p / f, 3), **info})
@@ -178,8 +215,15 @@ def _config_for(name: str):
     from transformers import AutoConfig, LlamaConfig
 
     if name == "llama-3.1-8b":
-        return LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                           num_hidden_layers=32, intermediate_size=14336, vocab_size=128256), torch.bfloat16
+        return LlamaConfig(
+            hidden_size=4096,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            num_hidden_layers=32,
+            intermediate_size=14336,
+            vocab_size=128256,
+        ), torch.bfloat16
     from pqcache.serving.loading import prepare_default_model
 
     return AutoConfig.from_pretrained(prepare_default_model(lambda *_: None)), torch.float32
@@ -213,17 +257,26 @@ def bench_memory(seq_lens=(16384,), budgets=(0.2, 0.1), models=("gemma3-270m", "
                 cache.wait()
                 st = cache.stats()
                 cache.close()
-                rows.append({"model": name, "budget": budget, "seq_len": s, "full_device_bytes": full_bytes,
-                             "pqcache_device_bytes": st["device_kv_bytes"], "pq_bytes": st["pq_bytes"],
-                             "host_bytes": st["host_kv_bytes"],
-                             "ratio": round(st["device_kv_bytes"] / full_bytes, 4)})
+                rows.append(
+                    {
+                        "model": name,
+                        "budget": budget,
+                        "seq_len": s,
+                        "full_device_bytes": full_bytes,
+                        "pqcache_device_bytes": st["device_kv_bytes"],
+                        "pq_bytes": st["pq_bytes"],
+                        "host_bytes": st["host_kv_bytes"],
+                        "ratio": round(st["device_kv_bytes"] / full_bytes, 4),
+                    }
+                )
                 del cache
     return rows
 
 
 @torch.no_grad()
-def bench_blockcache(model, tokenizer, seq_len=4096, new_tokens=256, capacities=(512, 1024),
-                     policies=("lru", "lfu"), budget=0.2) -> list[dict]:
+def bench_blockcache(
+    model, tokenizer, seq_len=4096, new_tokens=256, capacities=(512, 1024), policies=("lru", "lfu"), budget=0.2
+) -> list[dict]:
     """Block-cache hit rate over a generation on a long document, per policy and capacity."""
     from pqcache.engine.cache import PQCache
     from pqcache.serving.generate import decode_one_token, prefill
@@ -240,7 +293,15 @@ def bench_blockcache(model, tokenizer, seq_len=4096, new_tokens=256, capacities=
             for _ in range(new_tokens):
                 logits = decode_one_token(model, logits.argmax(-1, keepdim=True), cache)
             per_layer = {layer.layer_idx: round(obs.hit_rate(layer.layer_idx) or 0.0, 4) for layer in cache.pq_layers}
-            rows.append({"policy": policy, "capacity_tokens": capacity, "seq_len": seq_len, "new_tokens": new_tokens,
-                         "hit_rate": round(obs.hit_rate() or 0.0, 4), "per_layer": per_layer})
+            rows.append(
+                {
+                    "policy": policy,
+                    "capacity_tokens": capacity,
+                    "seq_len": seq_len,
+                    "new_tokens": new_tokens,
+                    "hit_rate": round(obs.hit_rate() or 0.0, 4),
+                    "per_layer": per_layer,
+                }
+            )
             cache.close()
     return rows

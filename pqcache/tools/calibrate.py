@@ -6,6 +6,7 @@ Measures, with the real model and the real PQ build:
 and stores the fit in $PQCACHE_HOME/calibration.json, which kmeans_iters="auto" then uses through
 T_max = (c2 s^2 + b2 s + a2 - a1) / (b1 s) (iters.py).
 """
+
 from __future__ import annotations
 
 import json
@@ -41,14 +42,22 @@ def fit_cluster(points: list[tuple[int, int, float]]) -> dict:
 
 
 def _text_ids(tokenizer, n: int) -> torch.Tensor:
-    base = tokenizer("The quick brown fox jumps over the lazy dog while the river runs to the sea. ",
-                     return_tensors="pt").input_ids[0]
+    base = tokenizer(
+        "The quick brown fox jumps over the lazy dog while the river runs to the sea. ", return_tensors="pt"
+    ).input_ids[0]
     return base.repeat(n // base.numel() + 1)[:n].view(1, n)
 
 
 @torch.no_grad()
-def calibrate(model, tokenizer, seq_lens=(512, 1024, 2048, 4096), iters=(5, 20), config: PQCacheConfig | None = None,
-              repeats: int = 2, progress=print) -> dict:
+def calibrate(
+    model,
+    tokenizer,
+    seq_lens=(512, 1024, 2048, 4096),
+    iters=(5, 20),
+    config: PQCacheConfig | None = None,
+    repeats: int = 2,
+    progress=print,
+) -> dict:
     config = config or PQCacheConfig()
     device = next(model.parameters()).device
     prefill_pts, cluster_pts = [], []
@@ -69,12 +78,19 @@ def calibrate(model, tokenizer, seq_lens=(512, 1024, 2048, 4096), iters=(5, 20),
                 layer.method_state["index"].build(0, layer.S, T, "calibrate")
             cluster_pts.append((s, T, time.perf_counter() - t0))
         cache.close()
-        progress(f"s={s}: prefill {prefill_pts[-1][1]:.3f} s, clustering "
-                 + ", ".join(f"T={T}: {c:.3f} s" for (_, T, c) in cluster_pts[-len(iters):]))
-    fit = {"prefill": fit_prefill(prefill_pts), "cluster": fit_cluster(cluster_pts),
-           "points": {"prefill": prefill_pts, "cluster": cluster_pts},
-           "model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
-           "m": config.m, "bits": config.bits, "created": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        progress(
+            f"s={s}: prefill {prefill_pts[-1][1]:.3f} s, clustering "
+            + ", ".join(f"T={T}: {c:.3f} s" for (_, T, c) in cluster_pts[-len(iters) :])
+        )
+    fit = {
+        "prefill": fit_prefill(prefill_pts),
+        "cluster": fit_cluster(cluster_pts),
+        "points": {"prefill": prefill_pts, "cluster": cluster_pts},
+        "model": getattr(model.config, "_name_or_path", "") or model.config.model_type,
+        "m": config.m,
+        "bits": config.bits,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
     fit["t_max"] = {str(s): t_max(s, fit) for s in (1024, 4096, 8192, 16384, 32768)}
     return fit
 

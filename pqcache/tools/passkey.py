@@ -1,4 +1,5 @@
 """Passkey retrieval prompts (the long-context sanity check of the paper's needle tests)."""
+
 from __future__ import annotations
 
 FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "

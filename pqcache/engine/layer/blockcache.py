@@ -8,6 +8,7 @@ from the host.
 
 Shapes: B rows, H KV heads, n slots of `bs` tokens, D head_dim, k retrieved tokens.
 """
+
 from __future__ import annotations
 
 import torch
@@ -91,8 +92,9 @@ class BlockCache:
         self.block_slot[..., sink] = -1
         self.slot_block.scatter_(2, victims, torch.where(do, cand_blk, old))
         self.uses.scatter_(2, victims, torch.where(do, torch.ones_like(old), self.uses.gather(2, victims)))
-        self.last_used.scatter_(2, victims, torch.where(do, torch.full_like(old, self.step),
-                                                         self.last_used.gather(2, victims)))
+        self.last_used.scatter_(
+            2, victims, torch.where(do, torch.full_like(old, self.step), self.last_used.gather(2, victims))
+        )
         # copy the admitted blocks from the host tier
         b_i, h_i, j_i = do.nonzero(as_tuple=True)
         if b_i.numel():

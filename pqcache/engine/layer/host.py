@@ -88,17 +88,23 @@ class HostTier:
 
     def rows(self, bh: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of (row * H + head, position) pairs: bh, pos (n,) on the host -> (n, D) each."""
+        return self._rows(self.shared_k, self.own_k, bh, pos), self._rows(self.shared_v, self.own_v, bh, pos)
+
+    def key_rows(self, bh: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """K alone of (row * H + head, position) pairs -> (n, D) (exact scores need no values)."""
+        return self._rows(self.shared_k, self.own_k, bh, pos)
+
+    def _rows(self, shared, own, bh, pos):
         self.sync()
         if self.S0 == 0:
-            return _take(self.own_k, self.own_v, bh, pos)
-        out_k = torch.empty((bh.numel(), self.D), dtype=self.dtype)
-        out_v = torch.empty_like(out_k)
+            return _take(own, bh, pos)
+        out = torch.empty((bh.numel(), self.D), dtype=self.dtype)
         old = pos < self.S0
-        for part, k, v, offset in ((old, self.shared_k, self.shared_v, 0), (~old, self.own_k, self.own_v, self.S0)):
+        for part, store, offset in ((old, shared, 0), (~old, own, self.S0)):
             idx = part.nonzero().squeeze(1)
             if idx.numel():
-                out_k[idx], out_v[idx] = _take(k, v, bh[idx], pos[idx] - offset)
-        return out_k, out_v
+                out[idx] = _take(store, bh[idx], pos[idx] - offset)
+        return out
 
     def gather(self, pos: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """pos (B, n) -> K, V (B, H, n, D): the same positions for every head of a row."""
@@ -136,8 +142,7 @@ def _grow(flags: torch.Tensor, cap: int, n: int) -> torch.Tensor:
     return new
 
 
-def _take(k: torch.Tensor, v: torch.Tensor, bh: torch.Tensor, pos: torch.Tensor):
-    """(B, H, cap, D) storage, flat (row * H + head) and positions (n,) -> (n, D) each."""
-    D, cap = k.shape[3], k.shape[2]
-    flat = bh * cap + pos
-    return k.view(-1, D).index_select(0, flat), v.view(-1, D).index_select(0, flat)
+def _take(store: torch.Tensor, bh: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """(B, H, cap, D) storage, flat (row * H + head) and positions (n,) -> (n, D)."""
+    D, cap = store.shape[3], store.shape[2]
+    return store.view(-1, D).index_select(0, bh * cap + pos)

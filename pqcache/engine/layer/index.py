@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import nullcontext
 from concurrent.futures import CancelledError, Executor, Future
 from concurrent.futures import wait as wait_futures
+from contextlib import nullcontext
 
 import torch
 
@@ -32,8 +32,16 @@ class BuildFault(Exception):
 
 
 class PQIndex:
-    def __init__(self, host: HostTier, config: PQCacheConfig, executor: Executor, iters_for, closed: threading.Event,
-                 span=None, bits: int | None = None):
+    def __init__(
+        self,
+        host: HostTier,
+        config: PQCacheConfig,
+        executor: Executor,
+        iters_for,
+        closed: threading.Event,
+        span=None,
+        bits: int | None = None,
+    ):
         """bits: per code (None: config.bits_for the stored tokens); fixed for the index's life."""
         self.host, self.config, self.executor, self.iters_for = host, config, executor, iters_for
         self.closed = closed  # set when the cache closes: a running build stops at its next head
@@ -52,8 +60,14 @@ class PQIndex:
         self.jobs: list[Future] = []  # builds in flight, each with a .submitted time
         self.fault: BaseException | None = None  # a submit that found the executor shut down
         self.generated = 0  # decoded tokens since the prefill (for rebuild_every)
-        self.stats = {"kmeans_iters": None, "pq_build_s": None, "pq_wait_s": 0.0, "pq_ready_before_use": None,
-                      "rebuilds": 0, "turn_segments": 0}
+        self.stats = {
+            "kmeans_iters": None,
+            "pq_build_s": None,
+            "pq_wait_s": 0.0,
+            "pq_ready_before_use": None,
+            "rebuilds": 0,
+            "turn_segments": 0,
+        }
 
     # ---- builds ----------------------------------------------------------------------------------
     def submit(self, start: int, end: int, kind: str, iters: int | None = None):
@@ -86,8 +100,14 @@ class PQIndex:
                     cents[b, h] = pq.train_centroids(keys[b, h, rows], m, C, iters, cfg.metric, cfg.seed + 97 * h)
             cents = cents.to(self.device)
             codes = pq.encode(keys.to(self.device), cents, cfg.metric)
-        return {"kind": kind, "start": start, "end": end, "centroids": cents, "codes": codes,
-                "seconds": time.perf_counter() - t0}
+        return {
+            "kind": kind,
+            "start": start,
+            "end": end,
+            "centroids": cents,
+            "codes": codes,
+            "seconds": time.perf_counter() - t0,
+        }
 
     def poll(self, block: bool, stop=None):
         """Install finished builds (block: wait for all). Raises BuildFault for a build that raised
@@ -197,10 +217,17 @@ class PQIndex:
     def _span(self, lane: str):
         return nullcontext() if self.span is None else self.span(lane)
 
-    def fork(self, host: HostTier, executor: Executor, closed: threading.Event, span=None) -> PQIndex:
+    def serves(self, config: PQCacheConfig) -> bool:
+        """Whether this index's codes are what `config` would build (same m, bits and metric)."""
+        same = (config.m, config.metric) == (self.config.m, self.config.metric)
+        return same and config.bits in (None, self.bits)
+
+    def fork(
+        self, host: HostTier, config: PQCacheConfig, executor: Executor, closed: threading.Event, span=None
+    ) -> PQIndex:
         """The same codebooks and codes over a forked host tier (the codes are copied: they are small)."""
         self.poll(block=True)
-        new = PQIndex(host, self.config, executor, self.iters_for, closed, span, self.bits)
+        new = PQIndex(host, config, executor, self.iters_for, closed, span, self.bits)
         S = host.S
         new.codes = self.codes[..., :S].clone()
         new.joint = None if self.joint is None else self.joint[..., :S].clone()

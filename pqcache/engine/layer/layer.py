@@ -41,8 +41,15 @@ class PQLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, config: PQCacheConfig, layer_idx: int, executor: Executor, iters_for,
-                 method: Method | None = None, depth: tuple[int, int] = (0, 1)):
+    def __init__(
+        self,
+        config: PQCacheConfig,
+        layer_idx: int,
+        executor: Executor,
+        iters_for,
+        method: Method | None = None,
+        depth: tuple[int, int] = (0, 1),
+    ):
         super().__init__()
         from pqcache.engine.methods.pqcache import PQCacheMethod
 
@@ -94,7 +101,9 @@ class PQLayer(CacheLayerMixin):
     def reset(self):
         self.wait_pq()
         obs, keep = self.obs, self.keep_queries
-        self.__init__(self.config, self.layer_idx, self.executor, self.iters_for, self.method, (self.depth, self.n_depth))
+        self.__init__(
+            self.config, self.layer_idx, self.executor, self.iters_for, self.method, (self.depth, self.n_depth)
+        )
         self.obs, self.keep_queries = obs, keep
 
     def reorder_cache(self, beam_idx):
@@ -221,9 +230,14 @@ class PQLayer(CacheLayerMixin):
                 self.method.observe(self.view(), probs, positions)
             if want_positions:
                 attended = mask[:, :, -1, :]  # what the last new token attended to
-                obs.record_selection(self.layer_idx, step, [
-                    [sorted(positions[b, h][attended[b, h]].tolist()) for h in range(self.host.H)]
-                    for b in range(self.host.B)])
+                obs.record_selection(
+                    self.layer_idx,
+                    step,
+                    [
+                        [sorted(positions[b, h][attended[b, h]].tolist()) for h in range(self.host.H)]
+                        for b in range(self.host.B)
+                    ],
+                )
         if obs is None:
             return
         obs.record_blocks(self.layer_idx, step, moved["hits"], moved["misses"])
@@ -241,10 +255,11 @@ class PQLayer(CacheLayerMixin):
         self.method.on_append(self.view(), start, k_new)
 
     # ---- forks and accounting ------------------------------------------------------------------------
-    def fork(self, method: Method, executor: Executor) -> PQLayer:
+    def fork(self, method: Method, executor: Executor, config: PQCacheConfig | None = None) -> PQLayer:
         """A copy continuing with `method` (see PQCache.fork): the host tier is shared, not copied."""
         self.wait_pq()
-        new = PQLayer(self.config, self.layer_idx, executor, self.iters_for, method, (self.depth, self.n_depth))
+        config = config or self.config
+        new = PQLayer(config, self.layer_idx, executor, self.iters_for, method, (self.depth, self.n_depth))
         new.keep_queries, new.prefill_q, new.scaling = self.keep_queries, self.prefill_q, self.scaling
         if self.host is None:
             return new
@@ -255,8 +270,10 @@ class PQLayer(CacheLayerMixin):
         new.prefilled = True
         new.split_tiers()
         if new.method.needs_prefill_queries and self.prefill_q is None:
-            raise InputError(f"method {method.name!r} needs the prefill queries: create the cache with "
-                             "keep_queries=True before the prefill to fork into it")
+            raise InputError(
+                f"method {method.name!r} needs the prefill queries: create the cache with "
+                "keep_queries=True before the prefill to fork into it"
+            )
         new.method.on_fork(new.view(), self.method_state, self.prefill_q, self.scaling)
         return new
 
@@ -267,5 +284,8 @@ class PQLayer(CacheLayerMixin):
             return {"device_kv_bytes": 0, "host_kv_bytes": 0, "pq_bytes": 0}
         h = self.host
         host_kv = 2 * h.B * h.H * h.S * h.D * h.dtype.itemsize
-        return {"device_kv_bytes": self.window.nbytes, "host_kv_bytes": host_kv,
-                "pq_bytes": self.method.device_bytes(self.view())}
+        return {
+            "device_kv_bytes": self.window.nbytes,
+            "host_kv_bytes": host_kv,
+            "pq_bytes": self.method.device_bytes(self.view()),
+        }

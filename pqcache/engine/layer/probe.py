@@ -9,8 +9,9 @@ import torch
 from pqcache.engine.methods.base import combine_rows, topk_positions
 
 
-def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Tensor, top_valid: torch.Tensor,
-          n_new: int = 1):
+def probe(
+    layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Tensor, top_valid: torch.Tensor, n_new: int = 1
+):
     """q (B, H, G*Q, D) unscaled queries of the step's n_new = Q tokens; top, top_valid (B, H, k) what
     the method picked."""
     host = layer.host
@@ -35,8 +36,9 @@ def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Ten
     attended = chosen | (~cand[:, None, :] & valid[:, None, :])  # sinks and window are attended too
     mass = (probs * attended[:, :, None, :]).sum(-1).mean(-1).mean(0)  # (H,)
     qhead = per_query_head_recall(exact, cand, chosen, top.shape[2], q.shape[2] // n_new)
-    obs.record_recall(layer.layer_idx, step, topk_recall.tolist(), mass.tolist(), int(top_valid.sum(-1).max()),
-                      qhead.tolist())
+    obs.record_recall(
+        layer.layer_idx, step, topk_recall.tolist(), mass.tolist(), int(top_valid.sum(-1).max()), qhead.tolist()
+    )
 
 
 def per_query_head_recall(exact: torch.Tensor, cand: torch.Tensor, chosen: torch.Tensor, k: int, G: int):

@@ -26,7 +26,9 @@ class DeviceWindow:
         B, S = host.B, host.S
         valid = host.valid[:, :S]
         self.n_real = [int(n) for n in valid.sum(1).tolist()]
-        splits = [(min(s[0], n), s[1], s[2]) for s, n in zip(splits, self.n_real, strict=True)]  # no more sinks than tokens
+        splits = [
+            (min(s[0], n), s[1], s[2]) for s, n in zip(splits, self.n_real, strict=True)
+        ]  # no more sinks than tokens
         self.n_init = max(s[0] for s in splits)
         self.n_local = [s[2] for s in splits]
         self.L = max(self.n_local)
@@ -93,7 +95,9 @@ class DeviceWindow:
         B, H, k = top.shape
         D, N, lo = host.D, self.k.shape[2], self.n_init + self.L
         rows = torch.arange(B * H, device=self.device)
-        dest = ((rows * N).view(B, H, 1) + lo + torch.arange(k, device=self.device)).reshape(-1)  # rows of k.view(-1, D)
+        dest = ((rows * N).view(B, H, 1) + lo + torch.arange(k, device=self.device)).reshape(
+            -1
+        )  # rows of k.view(-1, D)
         out_k, out_v = self.k.view(-1, D), self.v.view(-1, D)
         if self.blocks is not None:
             slot = self.blocks.lookup(top)

@@ -12,6 +12,7 @@
 | infllm    | 128-token blocks scored by representative keys, top blocks attended (Xiao et al. 2024) |
 | pqcache   | product-quantized keys, approximate scores, top-k (Zhang et al., SIGMOD 2025) |
 """
+
 from __future__ import annotations
 
 from pqcache.engine.errors import InputError

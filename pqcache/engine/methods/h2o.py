@@ -1,6 +1,7 @@
 """H2O (Zhang et al., NeurIPS 2023): a key's score is the attention it has received, accumulated
 over every query so far (prefill and decoding); the heavy hitters are kept with a recent window,
 and a token that drops out of the heavy set is evicted for good."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

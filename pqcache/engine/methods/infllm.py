@@ -2,6 +2,7 @@
 with `n_rep` representative keys (the keys its own queries attend to most); a step scores every
 block by q . representatives and attends to the tokens of the top blocks. InfLLM keeps hot blocks
 on the device with LRU, so this method runs the block cache with LRU."""
+
 from __future__ import annotations
 
 import math

@@ -24,15 +24,16 @@ class PQCacheMethod(ScoreMethod):
     def on_prefill(self, view, query, scaling):
         n_real = int(view.valid.sum(1).max())
         bits = view.config.bits_for(n_real, view.D)
-        index = view.state["index"] = PQIndex(view.host, view.config, view.executor, view.iters_for, view.closed,
-                                              view.span, bits)
+        index = view.state["index"] = PQIndex(
+            view.host, view.config, view.executor, view.iters_for, view.closed, view.span, bits
+        )
         index.submit(0, view.S, kind="prefill", iters=view.iters_for(n_real))
 
     def on_fork(self, view, parent_state, query, scaling):
         parent = parent_state.get("index")
-        if parent is not None:  # the parent's codebooks and codes serve the fork
-            view.state["index"] = parent.fork(view.host, view.executor, view.closed, view.span)
-        elif view.fallback:  # the parent's build failed: stay exact, keep the notice
+        if parent is not None and parent.serves(view.config):  # the parent's codebooks and codes serve the fork
+            view.state["index"] = parent.fork(view.host, view.config, view.executor, view.closed, view.span)
+        elif parent is None and view.fallback:  # the parent's build failed: stay exact, keep the notice
             view.fall_back(view.fallback)
         else:
             self.on_prefill(view, query, scaling)
@@ -88,7 +89,7 @@ def rerank_exact(view, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, 
     host = view.host
     B, H, kw = top.shape
     bh = torch.arange(B * H).view(B, H, 1).expand(B, H, kw).reshape(-1)
-    keys, _ = host.rows(bh, top.to(host.host).reshape(-1))  # (B*H*k', D) on the host
+    keys = host.key_rows(bh, top.to(host.host).reshape(-1))  # (B*H*k', D) on the host
     exact = keys.view(B, H, kw, -1).float() @ q.to(host.host, torch.float32).transpose(-1, -2)  # (B, H, k', R)
     ok = valid.to(host.host)
     combined = combine_rows(exact, ok, mode)  # (B, H, k'); top is in position order, so ties go to the earliest
@@ -167,4 +168,3 @@ def select_by_tuples(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: li
         keep = tied[rank < need[group]]
         chosen[keep[:, 0], keep[:, 1], keep[:, 2]] = True
     return positions_of(chosen)
-

@@ -1,5 +1,6 @@
 """PyramidKV (Cai et al., 2024): SnapKV's scoring with per-layer budgets that shrink linearly with
 depth (more tokens in lower layers), summing to the same total as a uniform budget."""
+
 from __future__ import annotations
 
 import math

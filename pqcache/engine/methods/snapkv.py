@@ -2,6 +2,7 @@
 it gets from the last `window` prompt queries (summed over them and over the GQA group), smoothed
 by pooling along positions; the top tokens are kept with the recent window, and that selection is
 frozen for the rest of the generation (generated tokens are all kept, as SnapKV keeps them)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

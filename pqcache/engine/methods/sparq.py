@@ -1,10 +1,9 @@
 """SparQ attention (Ribar et al., ICML 2024): approximate scores from the r largest-magnitude
 components of each query and the matching key columns; exact attention on the top-k."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
 
 from pqcache.engine.methods.base import ScoreMethod
 

@@ -1,4 +1,5 @@
 """StreamingLLM (Xiao et al., ICLR 2024): attention sinks + the most recent tokens, nothing else."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
