@@ -135,3 +135,53 @@ def test_failed_build_in_a_hand_filled_layer_reports_the_real_error(monkeypatch,
     assert "k-means exploded" in layer.fallback and layer.method.name == "full"
     top, valid = layer.select(keys[:, :, :1], 1.0)
     assert int(valid.sum()) == 200 - 4 - 8  # exact: every middle token
+
+
+@pytest.mark.parametrize("S,D", [(2048, 256), (8192, 256), (4096, 128), (16384, 128)])
+def test_default_codes_and_centroids_within_a_sixteenth_of_the_fp16_keys(S, D):
+    """m from head_dim (sub-spaces of at most 64 dims), bits from the length: the index on the device
+    (uint8 codes + float32 centroids) stays within 1/16 of the fp16 keys it indexes."""
+    cfg = PQCacheConfig(token_budget=0.1, kmeans_iters=1, block_cache_tokens=0).for_head_dim(D)
+    assert cfg.m == D // 64
+    bits = cfg.bits_for(S, D)
+    assert 4 <= bits <= 8
+    keys = torch.randn(1, 1, S, D, generator=torch.Generator().manual_seed(S))
+    layer = filled_layer(keys, keys, cfg, iters=1)
+    index = layer.method_state["index"]
+    assert index.bits == bits and index.codes.dtype == torch.uint8
+    assert layer.memory()["pq_bytes"] <= S * D * 2 / 16
+    expected = {(2048, 256): 5, (8192, 256): 7, (4096, 128): 6, (16384, 128): 8}[(S, D)]
+    assert bits == expected  # the most bits that fit: longer contexts afford more centroids
+
+
+def test_opq_rotates_keys_and_queries_consistently():
+    """With opq=True the codebooks quantize R k for a learned orthogonal R: PQ scores equal
+    (R q) . reconstruct(codes), new tokens are coded in the rotated space, and a full budget is
+    still exact attention."""
+    from pqcache.engine.methods.pqcache import approx_scores
+
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randn(1, 1, 2000, 32, generator=g) * torch.linspace(0.1, 3, 32)  # anisotropic
+    cfg = PQCacheConfig(m=2, bits=5, token_budget=0.1, kmeans_iters=5, block_cache_tokens=0, opq=True)
+    layer = filled_layer(keys, keys, cfg, iters=5)
+    index = layer.method_state["index"]
+    R = index.rotations[0][0, 0]
+    assert torch.allclose(R @ R.T, torch.eye(32), atol=1e-4) and not torch.allclose(R, torch.eye(32))
+    q = torch.randn(1, 1, 3, 32, generator=g)
+    recon = pq.reconstruct(index.codes[..., :2000], index.segments[0][1])  # (1, 1, S, 32) in rotated space
+    expected = recon @ (q @ R.T).transpose(-1, -2)  # (1, 1, S, 3)
+    torch.testing.assert_close(approx_scores(index, q), expected, rtol=1e-4, atol=1e-4)
+    k_new = torch.randn(1, 1, 1, 32, generator=g)
+    assert torch.equal(index.encode(k_new), pq.encode(k_new @ R.T, index.segments[0][1], "l2"))
+
+
+def test_opq_at_full_budget_equals_full_attention():
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 96, (1, 1200), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = model(ids).logits[:, -1]
+        cache = PQCache(model, PQCacheConfig(token_budget=1.0, n_init=4, bits=4, kmeans_iters=3, opq=True))
+        model(ids[:, :-1], cache=cache)
+        out = model(ids[:, -1:], cache=cache).logits[:, -1]
+    assert cache.pq_layers[0].method_state["index"].rotations  # 1199 keys: enough to train a rotation
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -1,61 +1,75 @@
 """Plotly figures from instrumentation data (Instrumentation.to_dict(), PQCache.stats()).
 
-No model code here: every function takes plain dicts/lists and returns a go.Figure with a fixed
-height and a constant `uirevision`, so live updates keep the user's zoom and do not flicker.
+No model code here: every function takes plain dicts/lists and returns a go.Figure with a fixed height and a
+constant `uirevision` (viz/base.py). Before there is data, each panel says what it will show; for a method it
+does not apply to (recall and hit rate under `full`), it says so. The teaching tab's pictures are in
+viz/teaching.py (re-exported here: heat_strip).
 """
 
 from __future__ import annotations
 
 import plotly.graph_objects as go
 
-HEIGHT = 300
+from viz.base import HEIGHT, empty, layout, log_range, step_axis
+from viz.teaching import heat_strip
+
+__all__ = ["HEIGHT", "power_law", "recall", "hit_rate", "timeline", "memory", "heat_strip", "cost_curves"]
+
 LANE_COLORS = {
     "device compute": "#4C78A8",
     "host clustering": "#F58518",
     "copy to host": "#54A24B",
     "copy to device": "#B279A2",
 }
-
-
-def _layout(fig: go.Figure, title: str, **kw) -> go.Figure:
-    fig.update_layout(
-        title=dict(text=title, font=dict(size=14)),
-        height=HEIGHT,
-        margin=dict(l=50, r=10, t=40, b=40),
-        uirevision="keep",
-        template="plotly_white",
-        **kw,
-    )
-    return fig
-
-
-def _empty(title: str, note: str) -> go.Figure:
-    fig = _layout(go.Figure(), title)
-    fig.add_annotation(text=note, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper", font=dict(color="#888"))
-    fig.update_xaxes(visible=False)
-    fig.update_yaxes(visible=False)
-    return fig
+# what each recorded lane is on the machine that ran it: a CPU-only run has no GPU to name
+LANE_NAMES = {
+    "cpu": {
+        "device compute": "compute (CPU)",
+        "host clustering": "K-Means (CPU, background thread)",
+        "copy to host": "copy to the host tier (CPU memory)",
+        "copy to device": "copy to the device tier (CPU memory)",
+    },
+    "cuda": {
+        "device compute": "compute (GPU)",
+        "host clustering": "K-Means (CPU, background thread)",
+        "copy to host": "copy GPU -> host memory",
+        "copy to device": "copy host memory -> GPU",
+    },
+}
+NOT_FOR_FULL = "Does not apply to full attention:\nit reads every token, so nothing\nis selected or fetched."
+TIMELINE_BARS = 1500  # the whole run is drawn with at most about this many bars per lane
 
 
 def power_law(data: dict, layer: int | None = None) -> go.Figure:
-    """Sorted attention probabilities (rank vs probability, log-log) at the sampled steps of a layer."""
-    rows = [r for r in data.get("attention", []) if layer is None or r["layer"] == layer]
+    """Sorted attention probabilities (rank vs probability, log-log) at the sampled steps of one layer."""
+    rows = data.get("attention", [])
+    if layer is None and rows:
+        layer = rows[0]["layer"]
+    rows = [r for r in rows if r["layer"] == layer]
     title = f"Attention power law (layer {layer})" if layer is not None else "Attention power law"
     if not rows:
-        return _empty(title, "no sampled step yet")
+        return empty(
+            title,
+            "How attention concentrates: a few tokens\ncarry most of it (rank vs weight, log-log).\nDrawn while an answer streams.",
+        )
     fig = go.Figure()
     for r in rows[-6:]:  # the latest sampled steps
         fig.add_trace(go.Scatter(x=r["rank"], y=r["prob"], mode="lines", name=f"step {r['step']}"))
     fig.update_xaxes(type="log", title="rank of token")
     fig.update_yaxes(type="log", title="attention probability")
-    return _layout(fig, title)
+    return layout(fig, title)
 
 
-def recall(data: dict) -> go.Figure:
-    """PQ top-k recall of the exact top-k (mean over KV heads) per layer over decode steps."""
+def recall(data: dict, method: str | None = None) -> go.Figure:
+    """Top-k recall of the selection against the exact top-k (mean over KV heads) per layer over decode steps."""
+    title = "Selected vs exact top-k (recall)" + (f": {method}" if method else "")
+    if method == "full":
+        return empty(title, NOT_FOR_FULL)
     rows = data.get("recall", [])
     if not rows:
-        return _empty("PQ vs exact top-k recall", "no sampled step yet")
+        return empty(
+            title, "How many of the exact top-k tokens\nthe method selected, per layer.\nDrawn while an answer streams."
+        )
     fig = go.Figure()
     for layer in sorted({r["layer"] for r in rows}):
         pts = [r for r in rows if r["layer"] == layer]
@@ -67,16 +81,22 @@ def recall(data: dict) -> go.Figure:
                 name=f"layer {layer}",
             )
         )
-    fig.update_xaxes(title="decode step")
+    step_axis(fig, [r["step"] for r in rows])
     fig.update_yaxes(title="recall", range=[0, 1.05])
-    return _layout(fig, "PQ vs exact top-k recall")
+    return layout(fig, title)
 
 
-def hit_rate(data: dict) -> go.Figure:
+def hit_rate(data: dict, method: str | None = None) -> go.Figure:
     """Block-cache hit rate per layer (per step) and cumulative over all layers."""
+    title = "Block-cache hit rate" + (f": {method}" if method else "")
+    if method == "full":
+        return empty(title, NOT_FOR_FULL)
     rows = data.get("blocks", [])
     if not rows:
-        return _empty("Block-cache hit rate", "no retrieval yet")
+        return empty(
+            title,
+            "Share of the fetched tokens found in the\ndevice block cache, per layer and in all.\nDrawn while an answer streams.",
+        )
     fig = go.Figure()
     for layer in sorted({r["layer"] for r in rows}):
         pts = [r for r in rows if r["layer"] == layer]
@@ -97,41 +117,77 @@ def hit_rate(data: dict) -> go.Figure:
         misses += sum(r["misses"] for r in rows if r["step"] == s)
         cum.append(hits / max(1, hits + misses))
     fig.add_trace(go.Scatter(x=steps, y=cum, mode="lines", name="cumulative", line=dict(width=3, color="black")))
-    fig.update_xaxes(title="decode step")
+    step_axis(fig, steps)
     fig.update_yaxes(title="hit rate", range=[0, 1.05])
-    return _layout(fig, "Block-cache hit rate")
+    return layout(fig, title)
 
 
-def timeline(data: dict, max_events: int = 4000) -> go.Figure:
-    """Gantt lanes of the recorded events: device compute, host clustering, copies."""
-    events = data.get("events", [])[-max_events:]
+def coalesce(events: list[dict], resolution: float) -> list[dict]:
+    """Events of one lane merged where they are closer than `resolution` seconds (a whole run stays drawable)."""
+    out: list[dict] = []
+    for e in sorted(events, key=lambda e: e["start"]):
+        if out and e["start"] - out[-1]["end"] < resolution:
+            last = out[-1]
+            last["end"] = max(last["end"], e["end"])
+            last["n"] = last.get("n", 1) + 1
+        else:
+            out.append(dict(e))
+    return out
+
+
+def timeline(data: dict, device: str = "cpu", window_s: float | None = None) -> go.Figure:
+    """Gantt lanes of the recorded events (compute, background K-Means, copies), named for the machine that ran
+    them. window_s: only the last window_s seconds (a decode step is visible); None: the whole run."""
+    where = "GPU" if device.startswith("cuda") else "CPU"
+    span = f"last {window_s:g} s" if window_s else "whole run"
+    title = f"Timeline ({span}): compute on the {where}, K-Means in the background"
+    events = data.get("events", [])
     if not events:
-        return _empty("CPU/GPU overlap timeline", "no events yet")
+        return empty(
+            title,
+            "What ran where and when: compute, background K-Means\nand copies between the tiers. Drawn when a document loads.",
+        )
+    t_end = max(e["end"] for e in events)
+    t_start = t_end - window_s if window_s else min(e["start"] for e in events)
+    names = LANE_NAMES["cuda" if where == "GPU" else "cpu"]
+    min_width = (t_end - t_start) / 800  # a span shorter than a pixel or so is drawn a pixel wide
     fig = go.Figure()
     for lane in data.get("lanes", list(LANE_COLORS)):
-        ev = [e for e in events if e["lane"] == lane]
+        ev = [e for e in events if e["lane"] == lane and e["end"] >= t_start]
         if not ev:
             continue
+        if len(ev) > TIMELINE_BARS:
+            ev = coalesce(ev, (t_end - t_start) / TIMELINE_BARS)
+        # one thick line per lane, broken between spans: one SVG path, cheap for the browser to redraw
+        xs, text = [], []
+        for e in ev:
+            xs += [e["start"], max(e["end"], e["start"] + min_width), None]
+            what = f"layer {e['layer']}" + (f", {e['n']} spans" if e.get("n", 1) > 1 else "")
+            text += [what, what, None]
+        name = names.get(lane, lane)
         fig.add_trace(
-            go.Bar(
-                base=[e["start"] for e in ev],
-                x=[max(e["end"] - e["start"], 1e-5) for e in ev],
-                y=[lane] * len(ev),
-                orientation="h",
-                name=lane,
-                marker_color=LANE_COLORS.get(lane),
-                customdata=[e["layer"] for e in ev],
-                hovertemplate="layer %{customdata}<br>%{base:.3f}s + %{x:.4f}s<extra></extra>",
+            go.Scatter(
+                x=xs,
+                y=[name if x is not None else None for x in xs],
+                mode="lines",
+                line=dict(width=16, color=LANE_COLORS.get(lane)),
+                name=name,
+                text=text,
+                hovertemplate="%{text}: %{x:.3f} s<extra></extra>",
+                connectgaps=False,
             )
         )
-    fig.update_xaxes(title="seconds")
-    return _layout(fig, "CPU/GPU overlap timeline", barmode="overlay", showlegend=False)
+    fig.update_xaxes(title="seconds since the document started loading", range=[t_start, t_end])
+    return layout(fig, title, showlegend=False, margin=dict(l=230, r=10, t=40, b=40))
 
 
 def memory(stats: dict | None) -> go.Figure:
     """Bytes per tier from PQCache.stats() (or a generate() stats dict)."""
     if not stats:
-        return _empty("Memory per tier", "no document loaded")
+        return empty(
+            "Memory per tier",
+            "Bytes on the device tier, the host tier\nand in the PQ index.\nDrawn when a document loads.",
+        )
     names = ["device KV", "host KV", "PQ codes + centroids"]
     values = [stats.get("device_kv_bytes", 0), stats.get("host_kv_bytes", 0), stats.get("pq_bytes", 0)]
     fig = go.Figure(
@@ -144,73 +200,58 @@ def memory(stats: dict | None) -> go.Figure:
         )
     )
     fig.update_yaxes(title="MiB")
-    return _layout(fig, "Memory per tier")
-
-
-def heat_strip(
-    selections: dict[str, list[int]], n_tokens: int, marks: list[int] | None = None, n_bins: int = 200
-) -> go.Figure:
-    """One row per method: how many attended positions fall in each slice of the document; the
-    positions in `marks` (hidden facts) drawn as vertical lines."""
-    if not selections:
-        return _empty("Token spotlight", "run the methods first")
-    width = max(1, -(-n_tokens // n_bins))
-    z, names = [], []
-    for name, positions in selections.items():
-        row = [0] * (-(-n_tokens // width))
-        for p in positions:
-            if 0 <= p < n_tokens:
-                row[p // width] += 1
-        z.append(row)
-        names.append(name)
-    fig = go.Figure(
-        go.Heatmap(
-            z=z,
-            y=names,
-            x=[i * width for i in range(len(z[0]))],
-            colorscale="Viridis",
-            showscale=False,
-            hovertemplate="tokens %{x}+: %{z} attended<extra>%{y}</extra>",
-        )
-    )
-    for m in marks or []:
-        fig.add_vline(x=m, line=dict(color="red", width=2, dash="dot"))
-    fig.update_xaxes(title="document position (tokens)")
-    return _layout(fig, "Token spotlight: attended positions per method (red: the fact)")
+    return layout(fig, "Memory per tier")
 
 
 def cost_curves(rows: list[dict]) -> go.Figure:
-    """KV memory on the device against context length: full attention vs PQCache (cost model)."""
+    """GPU memory against context length (cost model): weights + full KV, weights + PQCache's device tier, and
+    the GPU's memory, on a log axis over the data's range."""
+    title = "GPU memory vs context length (cost model, not a measurement)"
     if not rows:
-        return _empty("Device KV memory (model)", "no rows")
+        return empty(title, "no rows")
     fig = go.Figure()
     x = [r["context"] for r in rows]
-    fig.add_trace(go.Scatter(x=x, y=[r["full_gib"] for r in rows], name="full KV cache", mode="lines+markers"))
-    fig.add_trace(go.Scatter(x=x, y=[r["pqcache_gib"] for r in rows], name="PQCache device tier", mode="lines+markers"))
-    if rows[0].get("gpu_gib"):
-        fig.add_hline(y=rows[0]["gpu_gib"], line=dict(color="red", dash="dash"), annotation_text="GPU memory")
+    weights = [r.get("weights_gib", 0.0) for r in rows]
+    full = [w + r["full_gib"] for w, r in zip(weights, rows)]
+    pq = [w + r["pqcache_gib"] for w, r in zip(weights, rows)]
+    fig.add_trace(go.Scatter(x=x, y=full, name="weights + full KV cache", mode="lines+markers"))
+    fig.add_trace(go.Scatter(x=x, y=pq, name="weights + PQCache device tier", mode="lines+markers"))
+    values = full + pq
+    gpu = rows[0].get("gpu_gib")
+    if gpu:
+        fig.add_trace(
+            go.Scatter(
+                x=[x[0], x[-1]],
+                y=[gpu, gpu],
+                name=f"GPU memory ({gpu:g} GiB)",
+                mode="lines",
+                line=dict(color="red", dash="dash"),
+            )
+        )
+        values.append(gpu)
     fig.update_xaxes(type="log", title="context length (tokens)")
-    fig.update_yaxes(type="log", title="GiB")
-    return _layout(fig, "KV memory vs context length (cost model, not a measurement)")
+    fig.update_yaxes(type="log", title="GiB", range=log_range(values))
+    return layout(fig, title, legend=dict(orientation="h", y=-0.25), margin=dict(l=50, r=10, t=40, b=90), height=360)
 
 
 def recall_grid(rows: list[dict]) -> go.Figure:
     """Top-k recall of the selection (mean over layers) against the re-rank factor, one line per
     (m, bits, budget) (`eval recall --json` rows); rerank 1 is PQ alone, as in the paper."""
     if not rows:
-        return _empty("top-k recall vs re-rank factor", "no rows")
+        return empty("top-k recall vs re-rank factor", "no rows")
     fig = go.Figure()
     lines: dict[tuple, dict[int, list[float]]] = {}
     for r in rows:
-        lines.setdefault((r["m"], r["bits"], r["budget"]), {}).setdefault(r["rerank"], []).append(r["recall"])
-    for (m, bits, budget), cells in sorted(lines.items()):
+        key = (r["m"], r["bits"], r["budget"], bool(r.get("opq")))
+        lines.setdefault(key, {}).setdefault(r["rerank"], []).append(r["recall"])
+    for (m, bits, budget, opq), cells in sorted(lines.items()):
         xs = sorted(cells)
         fig.add_trace(
             go.Scatter(
                 x=xs,
                 y=[sum(cells[x]) / len(cells[x]) for x in xs],
                 mode="lines+markers",
-                name=f"m={m}, bits={bits}, budget {budget}",
+                name=f"m={m}, bits={bits}{', OPQ' if opq else ''}, budget {budget}",
                 hovertemplate="rerank %{x}: %{y:.3f}<extra></extra>",
             )
         )
@@ -220,4 +261,4 @@ def recall_grid(rows: list[dict]) -> go.Figure:
         tickvals=sorted({r["rerank"] for r in rows}),
     )
     fig.update_yaxes(title="top-k recall (mean over layers)", range=[0, 1.05])
-    return _layout(fig, "Top-k recall on the bundled model's keys")
+    return layout(fig, "Top-k recall on the bundled model's keys")

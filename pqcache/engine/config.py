@@ -40,6 +40,12 @@ class PQCacheConfig:
     # Two-stage search: PQ scores pick rerank x k candidates, their exact scores (computed on the host
     # tier, where the keys are) pick the k attended. 1: the paper's single-stage search.
     rerank: int = 4
+    # OPQ: learn an orthogonal rotation of each (row, KV head)'s keys before PQ (faiss OPQMatrix);
+    # queries are rotated too, on the host where the rotations are kept.
+    opq: bool = False
+    # ...and at least this many candidates (all of them when fewer): at short contexts the re-rank is
+    # cheap in absolute terms (no more than attending to that many tokens) and the codes are coarsest.
+    rerank_min_tokens: int = 1024
     # A chunk of several tokens after the prefill (a question asked about a cached document):
     # "exact" attends to every cached token, as a prefill of document + question would (the official
     # pipeline's way); "selected" uses the method's selection, as decoding does.
@@ -96,6 +102,10 @@ class PQCacheConfig:
             errors.append(f"gqa_combine must be 'softmax_sum' or 'sum', got {self.gqa_combine!r}")
         if self.chunk_attention not in ("exact", "selected"):
             errors.append(f"chunk_attention must be 'exact' or 'selected', got {self.chunk_attention!r}")
+        if not _is_int(self.rerank_min_tokens) or self.rerank_min_tokens < 0:
+            errors.append(f"rerank_min_tokens must be an int >= 0, got {self.rerank_min_tokens!r}")
+        if not isinstance(self.opq, bool):
+            errors.append(f"opq must be True or False, got {self.opq!r}")
         if not _is_int(self.rerank) or self.rerank < 1:
             errors.append(f"rerank must be an int >= 1 (1: PQ scores alone), got {self.rerank!r}")
         if not _is_int(self.block_size) or self.block_size < 1:

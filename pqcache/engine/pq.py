@@ -44,6 +44,22 @@ def train_centroids(keys: torch.Tensor, m: int, n_centroids: int, iters: int, me
     return torch.from_numpy(np.stack(cents))
 
 
+def train_rotation(keys: torch.Tensor, m: int, bits: int, iters: int, seed: int) -> torch.Tensor:
+    """OPQ (Ge et al., 2013) with faiss's OPQMatrix: an orthogonal rotation R (D, D) of one (row, KV
+    head)'s keys (n, D) that spreads their variance so that m sub-space codebooks quantize R k
+    better. Too few keys to train the inner PQ: the identity."""
+    n, D = keys.shape
+    if n < 4 * (1 << bits):
+        return torch.eye(D)
+    opq = faiss.OPQMatrix(D, m)
+    opq.niter = max(1, min(iters, 25))
+    opq.niter_pq = 4
+    opq.pq = faiss.ProductQuantizer(D, m, bits)
+    opq.pq.cp.seed, opq.pq.cp.min_points_per_centroid, opq.pq.verbose = seed, 1, False
+    opq.train(np.ascontiguousarray(keys.detach().to("cpu", torch.float32).numpy()))
+    return torch.from_numpy(faiss.vector_to_array(opq.A).reshape(D, D).copy())
+
+
 def encode(keys: torch.Tensor, centroids: torch.Tensor, metric: str) -> torch.Tensor:
     """keys (..., H, S, D), centroids (..., H, m, C, d) -> codes (..., H, m, S) uint8."""
     *lead, S, D = keys.shape

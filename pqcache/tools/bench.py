@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.layer.layer import PQLayer
-from pqcache.engine.methods.pqcache import rerank_exact
+from pqcache.engine.methods.pqcache import first_stage_counts, rerank_exact
 from pqcache.engine.shapes import head_dim_of
 
 
@@ -106,7 +106,7 @@ def bench_attention(
         q_rows = q.reshape(1, n_kv, n_q // n_kv, head_dim) * scaling
         view = layer.view()
         ks = view.ks
-        wide = [min(cfg.rerank * k, int(n)) for k, n in zip(ks, view.candidates.sum(1).tolist(), strict=True)]
+        wide = first_stage_counts(view)
         qs = layer.method.search(view, q_rows, wide)
 
         def search():  # both stages

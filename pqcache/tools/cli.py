@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--ms", type=_opt_ints, default=(None, 2, 4), help="recall: m values ('auto' for the default)")
     e.add_argument("--bits-list", type=_opt_ints, default=(None, 6, 8), help="recall: bits values ('auto' too)")
+    e.add_argument(
+        "--opq-list",
+        type=lambda t: tuple(x.strip() in ("1", "true", "yes") for x in t.split(",")),
+        default=(False,),
+        help="recall: OPQ off/on, e.g. 0,1",
+    )
     e.add_argument("--reranks", type=_opt_ints, default=(1, 2, 4, 8), help="recall: re-rank factors")
     e.add_argument(
         "--budgets",
@@ -294,7 +300,14 @@ def cmd_eval(args) -> int:
 
         text = tok.decode(tok(essays_text()).input_ids[1 : args.context_tokens])
         rows = evaluate.recall_study(
-            model, tok, text, ms=args.ms, bits_list=args.bits_list, reranks=args.reranks, budgets=args.budgets
+            model,
+            tok,
+            text,
+            ms=args.ms,
+            bits_list=args.bits_list,
+            reranks=args.reranks,
+            opqs=args.opq_list,
+            budgets=args.budgets,
         )
         print(json.dumps({"rows": rows}) if args.json else _table(rows))
         return 0

@@ -7,6 +7,7 @@ second chunk against the cached document. Each method continues a fork of that o
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 from collections import defaultdict
@@ -148,6 +149,7 @@ def recall_study(
     ms=(None, 2, 4),
     bits_list=(None, 6, 8),
     reranks=(1, 2, 4, 8),
+    opqs=(False,),
     budgets=(0.1,),
     n_queries: int = 16,
     iters: int = 20,
@@ -177,40 +179,39 @@ def recall_study(
             layer.prefill_q[:, :, t : t + 1].reshape(1, H, G, -1).float() * layer.scaling
             for t in range(S - n_queries, S)
         ]
-        for m in ms:
-            for bits in bits_list:
-                for budget in budgets:
-                    cfg = PQCacheConfig(m=m, bits=bits, token_budget=budget, kmeans_iters=iters, block_cache_tokens=0)
-                    pql = filled_layer(keys, keys, cfg, iters=iters)  # one build serves every rerank
-                    for rerank in reranks:
-                        pql.config = replace(pql.config, rerank=rerank)
-                        acc = {"recall": [], "mass_recall": [], "qhead": []}
-                        for q in queries:
-                            top, valid = pql.select(q, 1.0)
-                            cand, ks = pql.candidates(), pql.topk_counts()
-                            exact = keys.float() @ q.transpose(-1, -2)  # (1, H, S, G)
-                            comb = combine_rows(exact, cand, cfg.gqa_combine)
-                            etop, evalid = topk_positions(comb, ks, top.shape[2])
-                            chosen = torch.zeros((1, H, S), dtype=torch.bool).scatter_(2, top, valid)
-                            ref = torch.zeros_like(chosen).scatter_(2, etop, evalid)
-                            acc["recall"].append(((chosen & ref).sum(-1) / ref.sum(-1).clamp(min=1)).mean().item())
-                            probs = exact.transpose(2, 3).softmax(-1)  # (1, H, G, S)
-                            attended = chosen | ~cand[:, None, :]
-                            acc["mass_recall"].append((probs * attended[:, :, None, :]).sum(-1).mean().item())
-                            qh = per_query_head_recall(exact.transpose(2, 3), cand, chosen, max(ks), G)
-                            acc["qhead"].append(qh.mean().item())
-                        rows.append(
-                            {
-                                "layer": layer.layer_idx,
-                                "m": pql.config.m,
-                                "bits": pql.method_state["index"].bits,
-                                "rerank": rerank,
-                                "budget": budget,
-                                "recall": _mean(acc["recall"]),
-                                "mass_recall": _mean(acc["mass_recall"]),
-                                "qhead_recall": _mean(acc["qhead"]),
-                            }
-                        )
+        for m, bits, budget, opq in itertools.product(ms, bits_list, budgets, opqs):
+            cfg = PQCacheConfig(m=m, bits=bits, token_budget=budget, kmeans_iters=iters, block_cache_tokens=0, opq=opq)
+            pql = filled_layer(keys, keys, cfg, iters=iters)  # one build serves every rerank
+            for rerank in reranks:
+                pql.config = replace(pql.config, rerank=rerank)
+                acc = {"recall": [], "mass_recall": [], "qhead": []}
+                for q in queries:
+                    top, valid = pql.select(q, 1.0)
+                    cand, ks = pql.candidates(), pql.topk_counts()
+                    exact = keys.float() @ q.transpose(-1, -2)  # (1, H, S, G)
+                    comb = combine_rows(exact, cand, cfg.gqa_combine)
+                    etop, evalid = topk_positions(comb, ks, top.shape[2])
+                    chosen = torch.zeros((1, H, S), dtype=torch.bool).scatter_(2, top, valid)
+                    ref = torch.zeros_like(chosen).scatter_(2, etop, evalid)
+                    acc["recall"].append(((chosen & ref).sum(-1) / ref.sum(-1).clamp(min=1)).mean().item())
+                    probs = exact.transpose(2, 3).softmax(-1)  # (1, H, G, S)
+                    attended = chosen | ~cand[:, None, :]
+                    acc["mass_recall"].append((probs * attended[:, :, None, :]).sum(-1).mean().item())
+                    qh = per_query_head_recall(exact.transpose(2, 3), cand, chosen, max(ks), G)
+                    acc["qhead"].append(qh.mean().item())
+                rows.append(
+                    {
+                        "layer": layer.layer_idx,
+                        "m": pql.config.m,
+                        "bits": pql.method_state["index"].bits,
+                        "rerank": rerank,
+                        "opq": opq,
+                        "budget": budget,
+                        "recall": _mean(acc["recall"]),
+                        "mass_recall": _mean(acc["mass_recall"]),
+                        "qhead_recall": _mean(acc["qhead"]),
+                    }
+                )
     base.close()
     return rows
 

@@ -1,5 +1,5 @@
 """The PQ index of one layer: codebooks (segments), the codes of every stored token, and the
-background K-Means builds that produce them.
+background K-Means builds that produce them (run and collected by builds.py).
 
 Codebooks are segments: segment i (start_i, centroids_i) codes positions [start_i, start_i+1).
 The prefill is segment 0; a long chunk after it (a new user turn) gets its own K-Means; a rebuild
@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import CancelledError, Executor, Future
-from concurrent.futures import wait as wait_futures
+from concurrent.futures import Executor
 from contextlib import nullcontext
 
 import torch
@@ -24,11 +23,8 @@ import torch
 from pqcache.engine import pq
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled
+from pqcache.engine.layer.builds import Builds
 from pqcache.engine.layer.host import HostTier
-
-
-class BuildFault(Exception):
-    """A PQ build raised, hung past its timeout, or was cancelled after a fault elsewhere."""
 
 
 class PQIndex:
@@ -57,8 +53,10 @@ class PQIndex:
         self.use_tuples = self.n_tuples <= 1 << 16
         self.joint = torch.zeros((B, H, 0), dtype=torch.int32, device=self.device) if self.use_tuples else None
         self.segments: list[tuple[int, torch.Tensor]] = []  # (start position, centroids (B, H, m, C, d))
-        self.jobs: list[Future] = []  # builds in flight, each with a .submitted time
-        self.fault: BaseException | None = None  # a submit that found the executor shut down
+        # OPQ rotations (B, H, D, D) by segment start, kept on the host: keys and queries are rotated
+        # before the codebooks see them (q.k = Rq.Rk for an orthogonal R)
+        self.rotations: dict[int, torch.Tensor] = {}
+        self.builds = Builds(executor, config.pq_timeout_s)
         self.generated = 0  # decoded tokens since the prefill (for rebuild_every)
         self.stats = {
             "kmeans_iters": None,
@@ -75,13 +73,7 @@ class PQIndex:
         iters = iters or self.iters_for(end - start)
         if kind == "prefill":
             self.stats["kmeans_iters"] = iters
-        try:
-            fut = self.executor.submit(self.build, start, end, iters, kind)
-        except RuntimeError:  # the executor was shut down after a fault in another layer
-            self.fault = CancelledError()
-            return
-        fut.submitted = time.perf_counter()
-        self.jobs.append(fut)
+        self.builds.submit(self.build, start, end, iters, kind)
 
     def build(self, start: int, end: int, iters: int, kind: str) -> dict:
         """K-Means over the searchable tokens of [start, end) of each row; codes for [start, end)."""
@@ -91,13 +83,20 @@ class PQIndex:
             keys = host.keys(start, end)  # (B, H, n, D) on the host
             m, C, d = cfg.m, self.C, host.D // cfg.m
             cents = torch.empty((host.B, host.H, m, C, d), dtype=torch.float32)
+            rotation = torch.empty((host.B, host.H, host.D, host.D)) if cfg.opq else None
             searchable = host.searchable[:, start:end].cpu()
             for b in range(host.B):
                 rows = searchable[b].nonzero().squeeze(1)
                 for h in range(host.H):
                     if self.closed.is_set():  # the cache was closed (stop, session freed): drop the work
                         raise Cancelled("the cache was closed")
-                    cents[b, h] = pq.train_centroids(keys[b, h, rows], m, C, iters, cfg.metric, cfg.seed + 97 * h)
+                    x = keys[b, h, rows]
+                    if rotation is not None:  # OPQ: rotate so that the sub-spaces quantize best
+                        rotation[b, h] = pq.train_rotation(x, m, self.bits, iters, cfg.seed + 97 * h)
+                        x = x.float() @ rotation[b, h].T
+                    cents[b, h] = pq.train_centroids(x, m, C, iters, cfg.metric, cfg.seed + 97 * h)
+            if rotation is not None:
+                keys = keys.float() @ rotation.transpose(-1, -2)
             cents = cents.to(self.device)
             codes = pq.encode(keys.to(self.device), cents, cfg.metric)
         return {
@@ -106,69 +105,38 @@ class PQIndex:
             "end": end,
             "centroids": cents,
             "codes": codes,
+            "rotation": rotation,
             "seconds": time.perf_counter() - t0,
         }
 
     def poll(self, block: bool, stop=None):
         """Install finished builds (block: wait for all). Raises BuildFault for a build that raised
         or ran past config.pq_timeout_s, Cancelled when `stop` is set while waiting."""
-        if self.fault is not None:
-            raise BuildFault(self._why(self.fault)) from self.fault
-        remaining, timeout = [], self.config.pq_timeout_s
-        for i, fut in enumerate(self.jobs):
-            overdue = timeout is not None and time.perf_counter() - fut.submitted > timeout
-            if not block and not fut.done() and not overdue:  # still within its time: check next step
-                remaining.append(fut)
-                continue
-            ready = fut.done()
-            t0 = time.perf_counter()
-            try:
-                result = self._result(fut, stop)
-            except Cancelled:
-                self.jobs = remaining + self.jobs[i:]
-                raise
-            except Exception as exc:  # the worker raised, hung, or was shut down
-                self.jobs = []
-                raise BuildFault(self._why(exc)) from exc
-            finally:
-                self.stats["pq_wait_s"] += time.perf_counter() - t0
-            if result["kind"] == "prefill":
-                self.stats["pq_ready_before_use"] = ready
-            self.install(result)
-        self.jobs = remaining
-
-    def _result(self, fut: Future, stop=None) -> dict:
-        timeout = self.config.pq_timeout_s
-        deadline = None if timeout is None else fut.submitted + timeout
-        while not fut.done():  # a build that finished, however late, is used
-            left = None if deadline is None else deadline - time.perf_counter()
-            if left is not None and left <= 0:
-                raise TimeoutError(f"not finished {timeout:g} s after it was submitted")
-            if stop is not None and stop.is_set():
-                raise Cancelled("stopped while clustering")
-            wait_futures([fut], timeout=left if stop is None else 0.1 if left is None else min(0.1, left))
-        return fut.result()
-
-    @staticmethod
-    def _why(exc: BaseException) -> str:
-        if isinstance(exc, CancelledError):
-            return "its build was cancelled after a fault in another layer"
-        return f"{type(exc).__name__}: {exc}"
+        try:
+            for result, ready in self.builds.collect(block, stop):
+                if result["kind"] == "prefill":
+                    self.stats["pq_ready_before_use"] = ready
+                self.install(result)
+        finally:
+            self.stats["pq_wait_s"] = self.builds.wait_s
 
     def install(self, result: dict):
         """Put a finished build in place (on the decoding thread, between steps)."""
         start, end, cents = result["start"], result["end"], result["centroids"]
         self.set_codes(start, end, result["codes"])
         if result["kind"] == "rebuild":
-            self.segments = [(0, cents)]
+            self.segments, self.rotations = [(0, cents)], {}
             self.stats["rebuilds"] += 1
         else:
             self.segments = [s for s in self.segments if s[0] < start] + [(start, cents)]
+            self.rotations = {s: r for s, r in self.rotations.items() if s < start}
             if result["kind"] == "turn":
                 self.stats["turn_segments"] += 1
+        if result.get("rotation") is not None:
+            self.rotations[self.segments[-1][0]] = result["rotation"]
         S = self.host.S
         if S > end:  # tokens appended while it ran: code them with the segment they now belong to
-            self.set_codes(end, S, pq.encode(self.host.keys(end, S, device=self.device), cents, self.config.metric))
+            self.set_codes(end, S, self.encode(self.host.keys(end, S, device=self.device)))
         if result["kind"] == "prefill":
             self.stats["pq_build_s"] = result["seconds"]
 
@@ -205,7 +173,7 @@ class PQIndex:
         new user turn) gets its own K-Means, every `rebuild_every` decoded tokens everything is re-clustered."""
         Q, cfg = k_new.shape[2], self.config
         if self.segments:
-            self.set_codes(start, start + Q, pq.encode(k_new, self.segments[-1][1], cfg.metric))
+            self.set_codes(start, start + Q, self.encode(k_new))
         if Q >= cfg.turn_min_tokens:
             self.submit(start, start + Q, kind="turn")
         elif Q == 1:
@@ -213,13 +181,26 @@ class PQIndex:
             if cfg.rebuild_every and self.generated % cfg.rebuild_every == 0:
                 self.submit(0, self.host.S, kind="rebuild")
 
+    def encode(self, keys: torch.Tensor) -> torch.Tensor:
+        """Codes (B, H, m, n) of keys (B, H, n, D) under the newest segment's codebook (and rotation)."""
+        start, cents = self.segments[-1]
+        return pq.encode(self.rotate(keys, start), cents, self.config.metric)
+
+    def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """Keys or queries (B, H, n, D) in the coordinates of the segment starting at `start`: R x with
+        its OPQ rotation (applied on the host, where the rotations live), x itself without OPQ."""
+        rotation = self.rotations.get(start)
+        if rotation is None:
+            return x
+        return (x.to(rotation.device, torch.float32) @ rotation.transpose(-1, -2)).to(x.device)
+
     # ---- the rest ----------------------------------------------------------------------------------
     def _span(self, lane: str):
         return nullcontext() if self.span is None else self.span(lane)
 
     def serves(self, config: PQCacheConfig) -> bool:
         """Whether this index's codes are what `config` would build (same m, bits and metric)."""
-        same = (config.m, config.metric) == (self.config.m, self.config.metric)
+        same = (config.m, config.metric, config.opq) == (self.config.m, self.config.metric, self.config.opq)
         return same and config.bits in (None, self.bits)
 
     def fork(
@@ -232,6 +213,7 @@ class PQIndex:
         new.codes = self.codes[..., :S].clone()
         new.joint = None if self.joint is None else self.joint[..., :S].clone()
         new.segments, new.generated, new.stats = list(self.segments), self.generated, dict(self.stats)
+        new.rotations = dict(self.rotations)
         return new
 
     @property

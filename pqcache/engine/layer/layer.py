@@ -29,7 +29,7 @@ from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import InputError
 from pqcache.engine.layer.attention import masked_attention
 from pqcache.engine.layer.host import HostTier
-from pqcache.engine.layer.probe import probe
+from pqcache.engine.layer.probe import observe_step
 from pqcache.engine.layer.view import LayerView
 from pqcache.engine.layer.window import DeviceWindow
 from pqcache.engine.methods.base import Method, positions_of
@@ -164,10 +164,7 @@ class PQLayer(CacheLayerMixin):
 
     def candidates(self) -> torch.Tensor:
         """(B, S) bool: middle tokens of each row (real, not a sink, older than the row's window)."""
-        S = self.S
-        pos = torch.arange(S, device=self.device)
-        local_start = torch.tensor([S - n for n in self.window.n_local], device=self.device)
-        return self.host.searchable[:, :S] & (pos[None, :] < local_start[:, None])
+        return self.window.candidates()
 
     def fall_back(self, reason: str):
         """Attend to every token of this layer from now on (exact attention through the tiers)."""
@@ -213,37 +210,12 @@ class PQLayer(CacheLayerMixin):
         out, probs = masked_attention(q, keys, values, mask, scaling, softcap)
 
         self.last_selection = (top, top_valid)
-        self._observe(q, scaling, top, top_valid, probs, mask, moved)
+        observe_step(self, q, scaling, top, top_valid, probs, mask, moved)
         self._append(k_new, v_new, new_valid)
         self.counters["steps"] += 1
         if exact_chunk:  # back to the budget's size: the whole context stays on the device only for the chunk
             self.window.resize(max(self.topk_counts()), 1)
         return out
-
-    def _observe(self, q, scaling, top, top_valid, probs, mask, moved):
-        """Feed the method's observer hook (H2O) and the instrumentation; never changes the output."""
-        obs, step = self.obs, self.counters["steps"]
-        want_positions = obs is not None and obs.selections
-        if self.method.observes or want_positions:
-            positions = self.window.positions(top, mask.shape[2])
-            if self.method.observes:
-                self.method.observe(self.view(), probs, positions)
-            if want_positions:
-                attended = mask[:, :, -1, :]  # what the last new token attended to
-                obs.record_selection(
-                    self.layer_idx,
-                    step,
-                    [
-                        [sorted(positions[b, h][attended[b, h]].tolist()) for h in range(self.host.H)]
-                        for b in range(self.host.B)
-                    ],
-                )
-        if obs is None:
-            return
-        obs.record_blocks(self.layer_idx, step, moved["hits"], moved["misses"])
-        obs.moved("to_device", moved["moved"])
-        if obs.wants_attention(step) or obs.wants_recall(step):
-            probe(self, obs, step, q, scaling, top, top_valid, mask.shape[2])
 
     def _append(self, k_new, v_new, new_valid):
         start = self._store(k_new, v_new)

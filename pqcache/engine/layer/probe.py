@@ -1,4 +1,5 @@
-"""The instrumentation probe of a step (sampled steps only): exact scores of the step's queries,
+"""What a step shows the outside: the method's observer hook and the instrumentation (observe_step);
+and the probe of sampled steps: exact scores of the step's queries,
 for the attention power law and for the top-k recall of the selection against the exact top-k
 chosen by the same rule (same candidates, same GQA combine, same k). It only reads."""
 
@@ -7,6 +8,27 @@ from __future__ import annotations
 import torch
 
 from pqcache.engine.methods.base import combine_rows, topk_positions
+
+
+def observe_step(layer, q, scaling, top, top_valid, probs, mask, moved):
+    """After a step: the method's observer hook (H2O) and the instrumentation. Reads only.
+    q (B, H, G*Q, D) unscaled; probs (B, H, G*Q, N) over the buffer; mask (B, H, Q, N)."""
+    obs, step, host = layer.obs, layer.counters["steps"], layer.host
+    want_positions = obs is not None and obs.selections
+    if layer.method.observes or want_positions:
+        positions = layer.window.positions(top, mask.shape[2])
+        if layer.method.observes:
+            layer.method.observe(layer.view(), probs, positions)
+        if want_positions:
+            attended = mask[:, :, -1, :]  # what the last new token attended to
+            chosen = [[sorted(positions[b, h][attended[b, h]].tolist()) for h in range(host.H)] for b in range(host.B)]
+            obs.record_selection(layer.layer_idx, step, chosen)
+    if obs is None:
+        return
+    obs.record_blocks(layer.layer_idx, step, moved["hits"], moved["misses"])
+    obs.moved("to_device", moved["moved"])
+    if obs.wants_attention(step) or obs.wants_recall(step):
+        probe(layer, obs, step, q, scaling, top, top_valid, mask.shape[2])
 
 
 def probe(

@@ -141,6 +141,13 @@ class DeviceWindow:
         )
         return keys, values, mask
 
+    def candidates(self) -> torch.Tensor:
+        """(B, S) bool: middle tokens of each row (real, not a sink, older than the row's window)."""
+        S = self.host.S
+        pos = torch.arange(S, device=self.device)
+        local_start = torch.tensor([S - n for n in self.n_local], device=self.device)
+        return self.host.searchable[:, :S] & (pos[None, :] < local_start[:, None])
+
     def ring_valid(self) -> torch.Tensor:
         """(B, L) bool: ring slots holding a real token of the row's window."""
         host = self.host

@@ -13,7 +13,8 @@ import torch
 
 from pqcache.engine import pq
 from pqcache.engine.errors import PQBuildError
-from pqcache.engine.layer.index import BuildFault, PQIndex
+from pqcache.engine.layer.builds import BuildFault
+from pqcache.engine.layer.index import PQIndex
 from pqcache.engine.methods.base import ScoreMethod, combine_rows, positions_of, select_top, topk_positions
 
 
@@ -57,13 +58,12 @@ class PQCacheMethod(ScoreMethod):
 
     def select(self, view, q):
         """PQ search for rerank x k candidates, then the exact scores of those candidates pick k."""
-        ks, mode = view.ks, view.config.gqa_combine
-        n_cand = view.candidates.sum(1).tolist()
-        wide = [min(view.config.rerank * k, n) for k, n in zip(ks, n_cand, strict=True)]
+        ks = view.ks
+        wide = first_stage_counts(view)
         top, valid = self.search(view, q, wide)
         if wide == ks:  # single stage, or the budget already covers the candidates
             return top, valid
-        return rerank_exact(view, q, top, valid, ks, mode)
+        return rerank_exact(view, q, top, valid, ks, view.config.gqa_combine)
 
     def search(self, view, q, ks: list[int]):
         """The first stage: the ks[b] best candidates of each row by PQ scores."""
@@ -80,6 +80,15 @@ class PQCacheMethod(ScoreMethod):
     def device_bytes(self, view):
         index = view.state.get("index")
         return 0 if index is None else index.nbytes
+
+
+def first_stage_counts(view) -> list[int]:
+    """Candidates the PQ search keeps per row: rerank x k, at least rerank_min_tokens (with a re-rank),
+    never more than the row's candidates."""
+    cfg = view.config
+    floor = cfg.rerank_min_tokens if cfg.rerank > 1 else 0
+    n_cand = view.candidates.sum(1).tolist()
+    return [min(max(cfg.rerank * k, floor), n) for k, n in zip(view.ks, n_cand, strict=True)]
 
 
 def rerank_exact(view, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], mode: str):
@@ -102,11 +111,11 @@ def approx_scores(index: PQIndex, q: torch.Tensor) -> torch.Tensor:
     """q (B, H, R, D), already scaled -> approximate scores (B, H, S, R), segment by segment."""
     S, segments, codes = index.host.S, index.segments, index.codes
     if len(segments) == 1:
-        return pq.approx_scores(pq.lookup_tables(q, segments[0][1]), codes[..., :S])
+        return pq.approx_scores(pq.lookup_tables(index.rotate(q, 0), segments[0][1]), codes[..., :S])
     out = torch.empty((index.host.B, index.host.H, S, q.shape[2]), dtype=torch.float32, device=index.device)
     bounds = [s for s, _ in segments[1:]] + [S]
     for (start, cents), end in zip(segments, bounds, strict=True):
-        out[:, :, start:end] = pq.approx_scores(pq.lookup_tables(q, cents), codes[..., start:end])
+        out[:, :, start:end] = pq.approx_scores(pq.lookup_tables(index.rotate(q, start), cents), codes[..., start:end])
     return out
 
 
@@ -126,7 +135,7 @@ def select_by_tuples(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: li
     sink = B * H * P
     tup, hist = [], []
     for (start, cents), end in zip(index.segments, bounds):
-        tables = pq.lookup_tables(q, cents)  # (B, H, m, C, R)
+        tables = pq.lookup_tables(index.rotate(q, start), cents)  # (B, H, m, C, R)
         t = tables[:, :, 0]
         for j in range(1, tables.shape[2]):  # scores of all code tuples: (B, H, C^m, R)
             t = (t[:, :, :, None, :] + tables[:, :, j][:, :, None, :, :]).flatten(2, 3)
