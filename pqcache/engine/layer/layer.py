@@ -229,25 +229,7 @@ class PQLayer(CacheLayerMixin):
     # ---- forks and accounting ------------------------------------------------------------------------
     def fork(self, method: Method, executor: Executor, config: PQCacheConfig | None = None) -> PQLayer:
         """A copy continuing with `method` (see PQCache.fork): the host tier is shared, not copied."""
-        self.wait_pq()
-        config = config or self.config
-        new = PQLayer(config, self.layer_idx, executor, self.iters_for, method, (self.depth, self.n_depth))
-        new.keep_queries, new.prefill_q, new.scaling = self.keep_queries, self.prefill_q, self.scaling
-        if self.host is None:
-            return new
-        new.host, new.device, new.dtype, new.is_initialized = self.host.fork(), self.device, self.dtype, True
-        if not self.prefilled:
-            return new
-        new.fallback = self.fallback  # the method decides whether it can work without what failed
-        new.prefilled = True
-        new.split_tiers()
-        if new.method.needs_prefill_queries and self.prefill_q is None:
-            raise InputError(
-                f"method {method.name!r} needs the prefill queries: create the cache with "
-                "keep_queries=True before the prefill to fork into it"
-            )
-        new.method.on_fork(new.view(), self.method_state, self.prefill_q, self.scaling)
-        return new
+        return fork_layer(self, method, executor, config or self.config)
 
     def memory(self) -> dict:
         """Bytes per tier. Device: the [sinks | window | top-k | new] buffer and block cache; PQ codes
@@ -261,3 +243,26 @@ class PQLayer(CacheLayerMixin):
             "host_kv_bytes": host_kv,
             "pq_bytes": self.method.device_bytes(self.view()),
         }
+
+
+def fork_layer(layer: PQLayer, method: Method, executor: Executor, config: PQCacheConfig) -> PQLayer:
+    """A new layer over `layer`'s tokens (host tier shared read-only) that continues with `method`:
+    its own device window, and the method's state started from the parent's (PQ reuses the codes)."""
+    layer.wait_pq()
+    new = PQLayer(config, layer.layer_idx, executor, layer.iters_for, method, (layer.depth, layer.n_depth))
+    new.keep_queries, new.prefill_q, new.scaling = layer.keep_queries, layer.prefill_q, layer.scaling
+    if layer.host is None:
+        return new
+    new.host, new.device, new.dtype, new.is_initialized = layer.host.fork(), layer.device, layer.dtype, True
+    if not layer.prefilled:
+        return new
+    new.fallback = layer.fallback  # the method decides whether it can work without what failed
+    new.prefilled = True
+    new.split_tiers()
+    if method.needs_prefill_queries and layer.prefill_q is None:
+        raise InputError(
+            f"method {method.name!r} needs the prefill queries: create the cache with "
+            "keep_queries=True before the prefill to fork into it"
+        )
+    new.method.on_fork(new.view(), layer.method_state, layer.prefill_q, layer.scaling)
+    return new
