@@ -185,3 +185,12 @@ def test_opq_at_full_budget_equals_full_attention():
         out = model(ids[:, -1:], cache=cache).logits[:, -1]
     assert cache.pq_layers[0].method_state["index"].rotations  # 1199 keys: enough to train a rotation
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_default_m_gives_subspaces_of_at_most_64_dims():
+    for head_dim, m in [(16, 1), (64, 1), (80, 2), (96, 2), (128, 2), (256, 4), (192, 3), (320, 5)]:
+        assert PQCacheConfig().for_head_dim(head_dim).m == m
+        assert head_dim // m <= 64 and head_dim % m == 0
+    assert PQCacheConfig(m=8).for_head_dim(256).m == 8  # a setting is kept
+    with pytest.raises(PQCacheConfigError, match="must divide the model's head_dim"):
+        PQCacheConfig(m=3).for_head_dim(128)

@@ -44,9 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         choices=list(METHODS),
         help="full (transformers' DynamicCache), or a selection method under the same budget",
     )
-    g.add_argument("--context-file", type=Path, help="text file put before the question")
+    g.add_argument(
+        "--context-file",
+        type=Path,
+        help="the document: .txt, .md, .pdf or any text file; '-' reads standard input",
+    )
     g.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")
-    g.add_argument("--question", required=True)
+    g.add_argument("--question", required=True, help="the question, in your own words")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--device", default="auto")
     g.add_argument("--m", type=int, default=PQCacheConfig.m)
@@ -131,6 +135,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--n", type=int, default=2, help="ruler: cases per task and length")
     d.add_argument("--query-aware", choices=["both", "true", "false"], default="both")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument(
+        "--natural",
+        action="store_true",
+        help="niah: facts asked in plain words (no answer cue in the question), a different fact per case",
+    )
 
     lt = sub.add_parser("loadtest", help="N concurrent gradio_client users against a local app, bounded in time")
     lt.add_argument("--clients", type=int, default=4)
@@ -151,12 +160,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def cmd_generate(args) -> int:
-    from pqcache.serving.documents import read_document
-    from pqcache.serving.generate import build_prompt, generate
+    from pqcache.serving.documents import MAX_DOCUMENT_BYTES, read_bytes, read_document
+    from pqcache.serving.generate import generate
     from pqcache.serving.loading import load_model
+    from pqcache.serving.prompt import build_prompt
 
     context = ""
-    if args.context_file is not None:  # .txt, .md or .pdf; bad files raise DocumentError (printed, exit 2)
+    if args.context_file is not None and str(args.context_file) == "-":  # standard input
+        context = read_bytes(sys.stdin.buffer.read(MAX_DOCUMENT_BYTES + 1), "standard input", args.encoding)
+    elif args.context_file is not None:  # bad files raise DocumentError (printed, exit 2)
         context = read_document(str(args.context_file), encoding=args.encoding)
     config = PQCacheConfig(
         m=args.m,
@@ -187,12 +199,13 @@ def cmd_generate(args) -> int:
         on_token=None if args.json else stream,
     )
     if args.json:
-        print(json.dumps({"text": result.text, "tokens": result.tokens, "stats": result.stats}))
+        print(json.dumps({"text": result.text, "tokens": result.tokens, "ended": result.ended, "stats": result.stats}))
     else:
         print()
         s = result.stats
         print(
-            f"[{s['method']}] prompt {s['prompt_tokens']} tokens, prefill {s['prefill_s']:.2f} s, "
+            f"[{s['method']}] ended: {result.ended}; prompt {s['prompt_tokens']} tokens, "
+            f"prefill {s['prefill_s']:.2f} s, "
             f"{s['s_per_token'] * 1e3:.1f} ms/token, device KV {s['device_kv_bytes'] / 2**20:.1f} MiB, "
             f"host KV {s['host_kv_bytes'] / 2**20:.1f} MiB, PQ {s['pq_bytes'] / 2**10:.1f} KiB",
             file=sys.stderr,
@@ -201,7 +214,7 @@ def cmd_generate(args) -> int:
 
 
 TITLES = {
-    "attention": "one decode step, one layer, 32 q heads / 8 KV heads / head_dim 128, budget 1/10, m=2 bits=6",
+    "attention": "one decode step, one layer, 32 q heads / 8 KV heads / head_dim 128, budget 1/10",
     "decode": "decode attention per step at a fixed budget of 1024 tokens, as the context grows",
     "ttft": "time to first token (prefill, then until every layer's PQ is built), bundled model",
     "memory": "device-tier KV bytes, PQCache against full attention",
@@ -339,7 +352,7 @@ def cmd_datasets(args) -> int:
 
     tok = AutoTokenizer.from_pretrained(prepare_default_model(lambda msg: print(msg, file=sys.stderr)))
     if args.kind == "niah":
-        cases = datasets.niah(tok, args.lengths, args.depths, args.query_aware)
+        cases = datasets.niah(tok, args.lengths, args.depths, args.query_aware, natural=args.natural, seed=args.seed)
     else:
         tasks = args.tasks.split(",") if args.tasks else datasets.RULER_TASKS
         cases = [c for n in args.lengths for c in datasets.ruler(tok, tasks, n, args.n, args.seed, args.query_aware)]
