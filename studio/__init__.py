@@ -1,10 +1,14 @@
 """PQCache Studio's user interface: one tab per module around one `Studio` object (state.py).
 
 state.py         the model, its tokenizer, the session pool and the server's settings, built in app.main()
-common.py        what the tabs share: user ids, messages for the page, the live panels
-qa.py            Document Q&A: load, ask (streamed), stop, unload, notices, server status
-teaching.py      Teaching: one prefill, several methods side by side, the walkthrough
-costmodel_tab.py Cost model: the analytic estimate and its curves
+common.py        what the tabs share: user ids, messages for the page, the assets folder
+qa.py            Document Q&A handlers: load (a file, pasted text, the sample), ask (streamed), stop, unload
+qa_page.py       Document Q&A page: how-to line, document, settings, status line, chat, panels
+status.py        the status line: one source of truth per user (loading, active document, last message)
+panels.py        the live panels, redrawn only when their data changed
+teaching.py      Teaching handlers: one prefill, several methods side by side, the five-step walkthrough
+teaching_page.py Teaching page
+costmodel_tab.py Cost model: the analytic estimate, a verdict per memory row, its curves
 ui.py            build_ui(studio): the page, the three tabs wired to their handlers
 
 UI code only: the engine is pqcache/, the figures viz/.

@@ -1,21 +1,45 @@
-"""Document Q&A: upload or paste, prefill once, streamed answers, live cache panels, Stop, notices."""
+"""Document Q&A: load a document once (a file, pasted text or the bundled sample), ask questions about it;
+answers stream with the live panels; Stop, Unload, notices. The page's components and events are in
+studio/qa_page.py.
+
+One status line per user says what is loaded or loading (studio/status.py); a question asked while a
+document loads waits for it in the chat; the panels (studio/panels.py) are redrawn only when their data changed."""
 
 from __future__ import annotations
 
+import os
 import queue
+import re
 import threading
 import time
 
 import gradio as gr
 
-from pqcache import Cancelled, Instrumentation, PQCacheError
+from pqcache import Cancelled, Instrumentation
 from pqcache.serving.documents import read_document
 from pqcache.serving.session import DocumentSession
-from pqcache.serving.settings import ENCODINGS, TOO_LONG, LoadSettings
-from studio.common import describe, notices, panels, pq_layer_choices, sentence, user_of
+from pqcache.serving.settings import LoadSettings
+from studio.common import ASSETS, describe, notices, user_of
+from studio.panels import PANEL_EVERY_S, PanelFeed
 from studio.state import Studio
+from studio.status import StatusBook, document_name
 
-REFRESH_S = 0.25  # panels update several times a second while tokens stream
+SAMPLE = "passkey_1k.txt"  # the document *Try a sample* loads (assets/)
+CHAT_EVERY_S = 0.3  # the streamed answer is sent at most this often
+WAIT_S = 0.5  # how often a load's progress (and a waiting question) is looked at
+NO_DOCUMENT = "Load a document first."
+ENDINGS = {  # why an answer ended (Answer.ended), as the chat says it
+    "eos": "the model ended it",
+    "end_of_answer": "end of the answer",
+    "repetition": "a repeat was cut",
+    "max_new_tokens": "max new tokens reached",
+    "stopped": "stopped",
+}
+
+
+def literal(text: str) -> str:
+    """A model's text for the chat's Markdown: a line starting "68422." stays text, not an ordered list."""
+    return re.sub(r"^(\s*\d+)\.(?=\s|$)", r"\1\\.", text, flags=re.M)
 
 
 class QATab:
@@ -24,170 +48,255 @@ class QATab:
     def __init__(self, studio: Studio):
         self.studio = studio
         self.pool = studio.pool
-
-    def load_document(
-        self,
-        file,
-        pasted,
-        method,
-        m,
-        bits,
-        budget,
-        n_init,
-        n_local,
-        policy,
-        capacity,
-        encoding,
-        too_long,
-        request: gr.Request,
-        progress=gr.Progress(),
-    ):
-        """Prefill the document once; later questions reuse it."""
-        user, studio = user_of(request), self.studio
-        settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long)
-        with self.pool.use(user) as entry:
-            entry.stop.clear()
-            try:
-                config = settings.to_config(pq_timeout_s=studio.pq_timeout_s)
-                text = read_document(file, pasted, encoding=settings.text_encoding)
-                session = DocumentSession(
-                    studio.model,
-                    studio.tokenizer,
-                    config,
-                    method=settings.method,
-                    max_tokens=studio.max_document_tokens,
-                )
-                progress(0.0, desc="tokenizing")
-                info = session.load(
-                    text,
-                    progress=lambda f, msg: progress(f, desc=msg),
-                    stop=entry.stop,
-                    truncate=settings.truncate,
-                    reserve=lambda n: self.pool.reserve(user, "qa", n),
-                )
-            except Cancelled:
-                self.pool.unreserve(user, "qa")
-                return (
-                    "Stopped: the document was not loaded.",
-                    gr.update(choices=[], value=None),
-                    *panels(None, None, None),
-                )
-            except Exception as exc:  # the page and any loaded document stay as they were
-                self.pool.unreserve(user, "qa")
-                return f"**Error:** {describe(exc)}", gr.update(), *panels(self.current_session(user), None, None)
-            self.pool.store(user, "qa", session)
-        choices = pq_layer_choices(session)
-        cut = (
-            f" The document had {info['document_tokens']} tokens: its middle was cut to fit the model."
-            if session.truncated
-            else ""
-        )
-        status = (
-            f"Loaded **{info['tokens']}** tokens, prefill **{info['prefill_s']:.2f} s**; PQ on layers "
-            f"{', '.join(choices)}; device KV {info['device_kv_bytes'] / 2**20:.1f} MiB, host KV "
-            f"{info['host_kv_bytes'] / 2**20:.1f} MiB, PQ {info['pq_bytes'] / 2**10:.0f} KiB.{cut}"
-            f"{notices(info)}"
-        )
-        return (
-            status,
-            gr.update(choices=choices, value=choices[0] if choices else None),
-            *panels(session, None, choices[0] if choices else None),
-        )
-
-    def current_session(self, user: str):
+        self.status = StatusBook(self.pool)
+        self.feeds: dict[str, PanelFeed] = {}
+        self.notices = 0
         try:
-            return self.pool.session(user)
-        except PQCacheError:
-            return None
+            self.device = next(studio.model.parameters()).device.type
+        except (AttributeError, StopIteration):
+            self.device = "cpu"
 
+    def feed(self, user: str) -> PanelFeed:
+        if user not in self.feeds:
+            self.feeds[user] = PanelFeed(self.device)
+        return self.feeds[user]
+
+    # ---- loading ------------------------------------------------------------------------------------------
+    def load_document(
+        self, file, pasted, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, request: gr.Request
+    ):
+        """Prefill the document once (an attached file, else the pasted text); later questions reuse it. Yields
+        the status line (with the load's progress), the layer choices and the panels."""
+        settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long)
+        name = document_name(file, pasted)
+        yield from self._load(user_of(request), name, lambda enc: read_document(file, pasted, encoding=enc), settings)
+
+    def load_sample(self, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, request: gr.Request):
+        """The bundled sample document, with the load form's settings; its example questions become visible."""
+        settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, "utf-8", too_long)
+        path = os.path.join(ASSETS, SAMPLE)
+        for out in self._load(user_of(request), f"sample {SAMPLE}", lambda enc: read_document(path), settings):
+            yield *out, gr.update(visible=True)
+
+    def _load(self, user: str, name: str, read, settings: LoadSettings):
+        studio, feed, skip = self.studio, self.feed(user), (gr.skip(),) * 6  # the layer choices and 5 panels
+        load = self.status.start(user, name)
+        updates: queue.Queue = queue.Queue()
+        result: dict = {}
+        try:
+            yield self.status.line(user), *skip
+            with self.pool.use(user) as entry:
+                entry.stop.clear()
+
+                def progress(fraction, step):
+                    load.fraction, load.step = fraction, step
+                    updates.put(1)
+
+                def work():
+                    try:
+                        config = settings.to_config(pq_timeout_s=studio.pq_timeout_s)
+                        text = read(settings.text_encoding)
+                        session = DocumentSession(
+                            studio.model, studio.tokenizer, config, method=settings.method, max_tokens=studio.max_document_tokens
+                        )
+                        session.name = name
+                        progress(0.0, "tokenizing")
+                        session.info = session.load(
+                            text,
+                            progress=progress,
+                            stop=entry.stop,
+                            truncate=settings.truncate,
+                            reserve=lambda n: self.pool.reserve(user, "qa", n),
+                        )
+                        result["session"] = session
+                    except Exception as exc:  # shown on the status line; the page stays as it was
+                        result["error"] = exc
+                    updates.put(None)
+
+                worker = threading.Thread(target=work, daemon=True, name="pqcache-load")
+                worker.start()
+                done, shown = False, None
+                try:
+                    while not done:
+                        try:
+                            done = updates.get(timeout=WAIT_S) is None
+                            while not done and not updates.empty():
+                                done = updates.get_nowait() is None
+                        except queue.Empty:
+                            pass
+                        line = self.status.line(user)
+                        if not done and line != shown:
+                            shown = line
+                            yield line, *skip
+                finally:  # the page went away mid-load (GeneratorExit): stop the prefill, do not leak it
+                    if not done:
+                        entry.stop.set()
+                        worker.join(timeout=30)
+                if "session" in result:
+                    self.pool.store(user, "qa", result["session"])
+        finally:
+            error = result.get("error")
+            if error is not None or "session" not in result:
+                self.pool.unreserve(user, "qa")
+            stopped = isinstance(error, Cancelled) or "session" not in result and error is None
+            self.status.finish(
+                user, "Stopped: the document was not loaded." if stopped else error and f"**Error:** {describe(error)}"
+            )
+        yield self.status.line(user), *self._show(user, result.get("session"), error)
+
+    def _show(self, user: str, session, error) -> tuple:
+        """The layer choices and panels after a load: the new document's, or (after a failure) the active one's,
+        kept as they were."""
+        feed = self.feed(user)
+        if session is None:
+            active, _ = self.status.active(user)
+            if active is not None:  # a failed load leaves the active document, and the panels, as they were
+                return (gr.skip(),) * 6
+            feed.show(None)
+            return gr.update(choices=[], value=None), *feed.figures()
+        choices = [str(layer.layer_idx) for layer in session.cache.pq_layers]
+        feed.show(session, layer=choices[0] if choices else None)
+        return gr.update(choices=choices, value=choices[0] if choices else None), *feed.figures()
+
+    # ---- asking -------------------------------------------------------------------------------------------
     def ask(self, question, chat, method, max_new_tokens, layer, request: gr.Request):
-        """Stream the answer and refresh the panels while it is generated."""
+        """Stream the answer (the chat names the method) and refresh the panels whose data changed; a question
+        asked while the document loads waits for it. Yields the chat, the timing line, the panels and the question
+        box (emptied by the first update: the question moves into the chat)."""
+        box = ""
+        for out in self._ask(question, chat, method, max_new_tokens, layer, user_of(request)):
+            yield *out, box
+            box = gr.skip()
+
+    def _ask(self, question, chat, method, max_new_tokens, layer, user):
         chat = list(chat or [])
-        user = user_of(request)
+        feed, skip = self.feed(user), (gr.skip(),) * 5
+        if not question or not question.strip():
+            yield chat, "Type a question.", *skip
+            return
+        chat.append({"role": "user", "content": question})
         with self.pool.use(user) as entry:  # busy: the pool will not evict this document meanwhile
-            try:
-                session = self.pool.session(user)
-            except PQCacheError as exc:  # evicted or freed: tell them, keep the page working
-                chat.append({"role": "assistant", "content": sentence(str(exc))})
-                yield chat, "", *panels(None, None, None)
-                return
-            if session is None:
-                chat.append({"role": "assistant", "content": "Load a document first."})
-                yield chat, "", *panels(None, None, None)
-                return
-            if not question or not question.strip():
-                yield chat, "Type a question.", *panels(session, None, layer)
+            load = self.status.loading.get(user)
+            if load is not None:
+                chat.append({"role": "assistant", "content": ""})
+                shown = None
+                while not load.done.is_set():
+                    text = f"*Waiting for **{load.name}** to finish loading ({100 * load.fraction:.0f} %); then this question goes to it.*"
+                    if text != shown:
+                        chat[-1]["content"] = shown = text
+                        yield chat, "waiting for the document", *skip
+                    load.done.wait(WAIT_S)
+                chat.pop()
+            session, freed = self.status.active(user)
+            if session is None:  # evicted, freed, or never loaded: tell them, keep the page working
+                failed = f" The load said: {load.error}" if load is not None and load.error else ""
+                chat.append({"role": "assistant", "content": (freed or NO_DOCUMENT) + failed})
+                feed.show(None)
+                yield chat, "", *feed.figures()
                 return
             stop = entry.stop
             stop.clear()
             obs = Instrumentation(timeline=True, attention_every=4, recall_every=4)
-            updates: queue.Queue = queue.Queue()
-            result = {}
+            feed.show(session, obs, method, layer=layer)
+            yield from self._stream(session, question, chat, method, int(max_new_tokens), stop, obs, feed)
 
-            def work():
-                try:
-                    result["answer"] = session.ask(
-                        question,
-                        method=method,
-                        max_new_tokens=int(max_new_tokens),
-                        stop=stop,
-                        observer=obs,
-                        on_token=lambda a: updates.put(a.text),
-                    )
-                except Exception as exc:  # shown in the chat; the session stays usable
-                    result["error"] = describe(exc)
-                updates.put(None)
+    def _stream(self, session, question, chat, method, max_new_tokens, stop, obs, feed):
+        updates: queue.Queue = queue.Queue()
+        result: dict = {}
 
-            chat += [{"role": "user", "content": question}, {"role": "assistant", "content": ""}]
-            worker = threading.Thread(target=work, daemon=True, name="pqcache-answer")
-            worker.start()
-            t0, last, done = time.perf_counter(), 0.0, False
+        def work():
             try:
-                while not done:
-                    try:
-                        item = updates.get(timeout=REFRESH_S)
-                        done = item is None
-                        if item:
-                            chat[-1]["content"] = item
-                    except queue.Empty:
-                        pass
-                    now = time.perf_counter()
-                    if done or now - last >= REFRESH_S:
-                        last = now
-                        yield chat, f"{method}: generating... {now - t0:.1f} s", *panels(session, obs, layer)
-            finally:  # the page went away mid-answer (GeneratorExit): stop the worker, do not leak it
-                if not done:
-                    stop.set()
-                    worker.join(timeout=30)
+                result["answer"] = session.ask(
+                    question,
+                    method=method,
+                    max_new_tokens=max_new_tokens,
+                    stop=stop,
+                    observer=obs,
+                    on_token=lambda a: updates.put(a.text),
+                )
+            except Exception as exc:  # shown in the chat; the session stays usable
+                result["error"] = describe(exc)
+            updates.put(None)
+
+        chat.append({"role": "assistant", "content": f"*{method} is reading the question...*"})
+        worker = threading.Thread(target=work, daemon=True, name="pqcache-answer")
+        worker.start()
+        t0 = last_chat = last_panels = time.perf_counter()
+        text, sent, done = None, None, False
+        try:
+            yield chat, f"{method}: reading the question...", *(gr.skip(),) * 5
+            while not done:
+                try:
+                    item = updates.get(timeout=CHAT_EVERY_S)
+                    while item is not None and not updates.empty():
+                        item = updates.get_nowait()  # only the latest text matters
+                    done, text = item is None, text if item is None else item
+                except queue.Empty:
+                    pass
+                now = time.perf_counter()
+                if done or now - last_chat < CHAT_EVERY_S:
+                    continue
+                panels = (gr.skip(),) * 5
+                if now - last_panels >= PANEL_EVERY_S:
+                    last_panels, panels = now, feed.figures(limit=1)
+                if text is not None and text != sent:
+                    sent = text
+                    chat[-1]["content"] = f"{literal(text)}\n\n*{method}, generating...*"
+                last_chat = now
+                doing = "stopping at the next token" if stop.is_set() else "generating"
+                yield chat, f"{method}: {doing}... {now - t0:.1f} s", *panels
+        finally:  # the page went away mid-answer (GeneratorExit): stop the worker, do not leak it
+            if not done:
+                stop.set()
+                worker.join(timeout=30)
         if "error" in result:
             chat[-1]["content"] = f"Error: {result['error']}"
-            yield chat, "", *panels(session, obs, layer)
+            yield chat, "", *feed.figures()
             return
         answer = result["answer"]
-        n = len(answer.tokens)
-        status = (
-            f"{method}: {n} tokens in {answer.seconds:.2f} s ({n / max(answer.seconds, 1e-9):.1f} tokens/s)"
-            + (" (stopped)" if answer.stopped else "")
-            + notices(session.last_stats)
-        )
-        yield chat, status, *panels(session, obs, layer)
+        n, seconds = len(answer.tokens), answer.seconds
+        stopped = " (stopped)" if answer.stopped else ""
+        why = ENDINGS.get(getattr(answer, "ended", ""), "")
+        chat[-1]["content"] = f"{literal(answer.text)}\n\n*{method}: {n} tokens in {seconds:.1f} s{', ' + why if why else ''}*"
+        status = f"{method}: {n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s){stopped}"
+        yield chat, status + notices(session.last_stats), *feed.figures()
 
+    # ---- the rest -----------------------------------------------------------------------------------------
     def stop_generation(self, request: gr.Request):
-        """Stop this user's prefill or answer (runs outside the queue, so it is never stuck behind them)."""
-        self.pool.entry(user_of(request)).stop.set()
+        """Stop this user's load or answer (it needs no model slot, so it is never stuck behind them). The page
+        hears it from the load or the answer itself (the status or timing line says "stopping"), so a late reply
+        here never overwrites their last word; with nothing running a message says so."""
+        user = user_of(request)
+        entry = self.pool.entry(user)
+        load = self.status.loading.get(user)
+        if entry.busy == 0 and load is None:
+            gr.Info("Nothing is running: Stop ends a load or an answer.")
+            return "nothing to stop"
+        entry.stop.set()
+        if load is not None:  # the status line says so until the load ends
+            load.step = "stopping at the next layer"
         return "stopped"
 
     def unload_document(self, request: gr.Request):
-        self.pool.free(user_of(request), "qa")
-        return "No document loaded.", gr.update(choices=[], value=None), *panels(None, None, None)
+        user = user_of(request)
+        self.pool.free(user, "qa")
+        self.status.forget(user)
+        self.feed(user).show(None)
+        return self.status.line(user), gr.update(choices=[], value=None), *self.feed(user).figures()
 
     def pool_notice(self, request: gr.Request):
-        """Polled by the page: tells a user whose cache the server freed while they were away."""
-        note = self.pool.notice(user_of(request))
-        return gr.update() if note is None else f"**Notice:** {sentence(note)}"
+        """Polled by the page: the status line again when the server freed this user's document."""
+        user = user_of(request)
+        if self.pool.notice(user) is None:
+            return gr.skip()
+        self.feed(user).show(None)
+        self.notices += 1  # the page updates its status line when this value changes: each notice is new
+        return f"{self.status.line(user)}<!-- notice {self.notices} -->"
 
-    def refresh_panels(self, layer, request: gr.Request):
-        return panels(self.current_session(user_of(request)), None, layer)
+    def refresh_panels(self, layer, window, request: gr.Request):
+        feed = self.feed(user_of(request))
+        feed.show(layer=layer, window=window)
+        return feed.figures()
 
     def server_status(self) -> dict:
         """Users holding a document, users being served, cache bytes against the cap (polled by the page)."""
@@ -202,65 +311,7 @@ class QATab:
 
     def end_user(self, request: gr.Request):
         """The tab closed: free its caches."""
-        self.pool.end(user_of(request))
-
-
-def build_qa_tab(tab: QATab, methods: list[str]):
-    """The Document Q&A tab's components and events (inside a gr.Blocks)."""
-    d = LoadSettings()  # the form's defaults
-    with gr.Row():
-        with gr.Column(scale=2):
-            file = gr.File(label="Document (.txt, .md, .pdf)", type="filepath")
-            pasted = gr.Textbox(label="...or paste text", lines=4, max_lines=8)
-            with gr.Accordion("Settings", open=False):
-                method = gr.Dropdown(methods, value=d.method, label="Method")
-                with gr.Row():
-                    m = gr.Number(d.m, label="m (sub-spaces; 0: from the head size)", precision=0)
-                    bits = gr.Number(d.bits, label="bits (0: from the length)", precision=0)
-                    budget = gr.Number(d.budget, label="token budget (fraction or count)")
-                with gr.Row():
-                    n_init = gr.Number(d.n_init, label="sink tokens", precision=0)
-                    n_local = gr.Number(d.n_local, label="window (0: half the budget)", precision=0)
-                with gr.Row():
-                    policy = gr.Radio(["lfu", "lru"], value=d.policy, label="block-cache policy")
-                    capacity = gr.Number(d.capacity, label="block cache (tokens)", precision=0)
-                max_new = gr.Slider(1, 256, value=48, step=1, label="max new tokens")
-                with gr.Row():
-                    encoding = gr.Dropdown(
-                        ENCODINGS, value=d.encoding, label="text encoding of the file", allow_custom_value=True
-                    )
-                    too_long = gr.Radio(TOO_LONG, value=d.too_long, label="a document longer than the model reads")
-            with gr.Row():
-                load = gr.Button("Load document", variant="secondary", elem_id="load")
-                unload = gr.Button("Unload", elem_id="unload")
-            status = gr.Markdown("No document loaded.", elem_id="doc-status")
-            chat = gr.Chatbot(label="Answers", height=300, elem_id="chat")
-            question = gr.Textbox(label="Question", placeholder="Ask about the document", elem_id="question")
-            with gr.Row():
-                ask_btn = gr.Button("Ask", variant="primary", elem_id="ask")
-                stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
-            gen_status = gr.Markdown("", elem_id="gen-status")
-        with gr.Column(scale=3):
-            layer = gr.Dropdown([], label="Layer (power law)", allow_custom_value=True)
-            with gr.Row():
-                p_power = gr.Plot(elem_id="panel-power")
-                p_recall = gr.Plot(elem_id="panel-recall")
-            with gr.Row():
-                p_hits = gr.Plot(elem_id="panel-hits")
-                p_memory = gr.Plot(elem_id="panel-memory")
-            p_timeline = gr.Plot(elem_id="panel-timeline")
-    plots = [p_power, p_recall, p_hits, p_timeline, p_memory]
-    model_work = tab.studio.model_work
-    form = [file, pasted, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long]
-    load.click(tab.load_document, form, [status, layer, *plots], api_name="load_document", **model_work)
-    asking = [question, chat, method, max_new, layer]
-    ask_btn.click(tab.ask, asking, [chat, gen_status, *plots], api_name="ask", **model_work)
-    question.submit(tab.ask, asking, [chat, gen_status, *plots], **model_work)
-    stop_btn.click(tab.stop_generation, None, [gen_status], api_name="stop", queue=False)
-    unload.click(tab.unload_document, None, [status, layer, *plots], api_name="unload_document", concurrency_limit=None)
-    layer.change(tab.refresh_panels, [layer], plots, api_name=False, concurrency_limit=None)
-    server = gr.Markdown(tab.server_line(), elem_id="server-status")
-    timer = gr.Timer(5.0)
-    timer.tick(tab.pool_notice, None, [status], api_name="notice", concurrency_limit=None, show_progress="hidden")
-    timer.tick(tab.server_line, None, [server], api_name=False, concurrency_limit=None, show_progress="hidden")
-    gr.api(tab.server_status, api_name="server_status", concurrency_limit=None)
+        user = user_of(request)
+        self.pool.end(user)
+        self.status.forget(user)
+        self.feeds.pop(user, None)

@@ -1,5 +1,7 @@
-"""Teaching: one prefill of a preset document with three hidden facts, several methods answering side by
-side under the same budget, a token spotlight, and a five-step walkthrough of one decode step."""
+"""Teaching: one prefill of a preset document with three hidden facts, several methods answering the same
+question side by side under the same budget (with the right answer on screen), a token spotlight, and a
+five-step walkthrough of one PQCache decode step, each step with its own picture from this run
+(pqcache/serving/walkthrough.py records it, viz/teaching.py draws it). The page is in studio/teaching_page.py."""
 
 from __future__ import annotations
 
@@ -7,53 +9,29 @@ import os
 
 import gradio as gr
 
-from pqcache import Instrumentation, PQCacheConfig, PQCacheError
+from pqcache import Instrumentation, PQCacheConfig
+from pqcache.serving.prompt import PromptBuilder
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import number
-from studio.common import describe, merged_data, user_of
+from pqcache.serving.walkthrough import StepRecorder
+from studio.common import ASSETS, describe, user_of
 from studio.state import Studio
-from viz import figures
+from viz import teaching as pictures
 
-ASSETS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "assets")
 TEACHING_DOC = os.path.join(ASSETS, "teaching_doc.txt")
-TEACHING_FACTS = {
-    "the code to open the blue door": "What is the code to open the blue door? The code is",
-    "the treasure is buried under": "Where is the treasure buried? The treasure is buried under",
-    "the captain's cat is named": "What is the name of the captain's cat? The cat is named",
+# hidden fact (as written in the document) -> the question asked, and the right answer
+FACTS = {
+    "the code to open the blue door": ("What is the code to open the blue door?", "4721"),
+    "the treasure is buried under": ("Where is the treasure buried?", "the third oak tree"),
+    "the captain's cat is named": ("What is the name of the captain's cat?", "Pepper"),
 }
-WALKTHROUGH = {
-    "1. Prefill": (
-        "Every layer computes exact attention over the whole document. Each full-attention layer's K/V "
-        "is copied to host memory as soon as the layer is done.",
-        "timeline",
-    ),
-    "2. PQ build": (
-        "While later layers compute, a background worker clusters each layer's keys: m sub-spaces, "
-        "2^bits centroids each (faiss K-Means). Orange bars overlap blue ones: the clustering hides "
-        "behind compute.",
-        "timeline",
-    ),
-    "3. Search": (
-        "For a new token, q . centroids gives a small table; every document token's approximate score is "
-        "a sum of table entries picked by its uint8 codes; the top-k are the candidates.",
-        "recall",
-    ),
-    "4. Fetch": (
-        "Only the top-k tokens' K/V come back from host memory, hot blocks straight from the device block cache.",
-        "hit_rate",
-    ),
-    "5. Attention": (
-        "Attention runs over sinks + top-k + the recent window. Attention scores follow a power law: "
-        "a few tokens carry most of the mass, which is why this works.",
-        "power_law",
-    ),
-}
-FIGURES = {
-    "timeline": figures.timeline,
-    "recall": figures.recall,
-    "hit_rate": figures.hit_rate,
-    "power_law": figures.power_law,
-}
+TEACHING_FACTS = {fact: question for fact, (question, _) in FACTS.items()}
+SPOTLIGHT_COLORS = {"attended": "#F5A623", "the fact": "#9ecae1", "the fact, attended": "#E45756"}
+
+
+def question_line(fact: str) -> str:
+    question, answer = FACTS[fact]
+    return f"**Question asked:** {question} &nbsp; **Right answer:** {answer}"
 
 
 class TeachingTab:
@@ -64,10 +42,12 @@ class TeachingTab:
         self.pool = studio.pool
         self.document = document
 
-    def run_teaching(self, methods, fact, budget, state, request: gr.Request, progress=gr.Progress()):
-        """One prefill of the preset document, then each method answers the same question."""
+    def run_teaching(self, methods, fact, budget, step, state, request: gr.Request, progress=gr.Progress()):
+        """One prefill of the preset document, then each method answers the same question; PQCache's answer is
+        recorded for the walkthrough. Returns the state, status, table, strip, spotlight and the walkthrough."""
+        nothing = (state, [], pictures.heat_strip({}, 1), [], *self.walkthrough(step, state))
         if not methods:
-            return state, "Pick at least one method.", [], figures.heat_strip({}, 1), []
+            return nothing[0], "Pick at least one method.", *nothing[1:]
         with open(self.document, encoding="utf-8") as f:
             text = f.read()
         user, studio = user_of(request), self.studio
@@ -82,22 +62,47 @@ class TeachingTab:
                 )
             except Exception as exc:
                 self.pool.unreserve(user, "teaching")
-                return state, f"**Error:** {describe(exc)}", [], figures.heat_strip({}, 1), []
+                return nothing[0], f"**Error:** {describe(exc)}", *nothing[1:]
             self.pool.store(user, "teaching", session)
             try:
-                return self.teaching_answers(session, text, methods, fact, progress)
+                state = self.teaching_answers(session, text, methods, fact, progress)
             except Exception as exc:  # the document stays loaded; the page stays as it was
-                return state, f"**Error:** {describe(exc)}", [], figures.heat_strip({}, 1), []
+                return nothing[0], f"**Error:** {describe(exc)}", *nothing[1:]
+        marks = [state["fact_pos"]] if state["fact_pos"] is not None else []
+        return (
+            state,
+            f"Prefilled {session.n_tokens} tokens once; the fact starts at token {state['fact_pos']}. Each method "
+            "then answered on its own copy of that cache.",
+            state["rows"],
+            pictures.heat_strip(state["selections"], session.n_tokens, marks),
+            self.spotlight_text(state, methods[0]),
+            *self.walkthrough(step, state),
+        )
 
-    def teaching_answers(self, session, text, methods, fact, progress):
+    def positions(self, text: str, fact: str) -> tuple[int | None, int | None, int | None]:
+        """Token positions of the fact's start, of its answer, and of the end of its sentence."""
+        tok, low = self.studio.tokenizer, text.lower()
+        char = low.find(fact)
+        if char < 0:
+            return None, None, None
+        answer_char = low.find(FACTS[fact][1].lower(), char)
+        end_char = low.find(".", answer_char if answer_char >= 0 else char)
+
+        def at(c):
+            return PromptBuilder(tok).document_ids(text[:c]).shape[1] if c >= 0 else None  # as the session caches
+
+        return at(char), at(answer_char), at(end_char + 1 if end_char >= 0 else -1)
+
+    def teaching_answers(self, session, text, methods, fact, progress) -> dict:
         tok = self.studio.tokenizer
-        char = text.lower().find(fact)
-        fact_pos = len(tok(text[:char]).input_ids) if char >= 0 else None
-        rows, selections = [], {}
+        question, right = FACTS[fact]
+        fact_pos, answer_pos, end_pos = self.positions(text, fact)
+        rows, selections, recorder = [], {}, StepRecorder()
         for i, method in enumerate(methods):
             progress(0.5 + 0.5 * i / len(methods), desc=f"{method} answering")
             obs = Instrumentation(timeline=False, selections=True)
-            answer = session.ask(TEACHING_FACTS[fact], method=method, max_new_tokens=8, observer=obs)
+            # PQCache's answer is also the walkthrough's run: the recorder is PQCache, it only reads
+            answer = session.ask(question, method=recorder if method == "pqcache" else method, max_new_tokens=8, observer=obs)
             layer0 = min((r["layer"] for r in obs.selected), default=None)
             steps = [r for r in obs.selected if r["layer"] == layer0]
             # the step that reads the first generated token: the question before it may read the whole document
@@ -105,79 +110,112 @@ class TeachingTab:
             first = steps[1] if len(steps) > 1 else steps[0] if steps else None
             positions = sorted({p for head in first["positions"][0] for p in head}) if first else []
             selections[method] = [p for p in positions if p < session.n_tokens]
-            rows.append([method, answer.text.strip(), len(selections[method])])
+            correct = "yes" if right.lower() in answer.text.lower() else "no"
+            rows.append([method, answer.text.strip(), correct, len(selections[method])])
+        if recorder.snap is None:  # PQCache was not among the methods: a short answer of its own for the walkthrough
+            progress(0.95, desc="recording a PQCache step for the walkthrough")
+            session.ask(question, method=recorder, max_new_tokens=2)
+        focus = list(range(answer_pos, min(answer_pos + 4, end_pos or answer_pos + 4))) if answer_pos is not None else []
+        walk = recorder.describe(focus)
+        labels = {p: repr(tok.decode([session.doc_ids[p]])) for p in focus if p < len(session.doc_ids)}
         # the page keeps what it shows, not the session: the pool alone holds (and may free) the cache
-        state = {"doc_ids": list(session.doc_ids), "selections": selections, "fact_pos": fact_pos}
-        marks = [fact_pos] if fact_pos is not None else []
-        return (
-            state,
-            f"Prefilled {session.n_tokens} tokens once; the fact starts at token {fact_pos}.",
-            rows,
-            figures.heat_strip(selections, session.n_tokens, marks),
-            self.spotlight_text(state, methods[0]),
-        )
+        return {
+            "doc_ids": list(session.doc_ids),
+            "selections": selections,
+            "fact_pos": fact_pos,
+            "fact_span": [fact_pos, end_pos] if fact_pos is not None else None,
+            "answer_pos": answer_pos,
+            "rows": rows,
+            "walk": walk,
+            "labels": labels,
+        }
 
     def spotlight_text(self, state, method):
-        """The document tokens around the fact, marked where `method` attended at its first step."""
+        """The document tokens around the fact: the fact's own tokens and those `method` attended at its first
+        step, marked by colour (the legend names them; no tag on every token)."""
         if not state or method not in state.get("selections", {}):
             return []
         doc_ids, chosen = state["doc_ids"], set(state["selections"][method])
         fact = state["fact_pos"] or 0
-        lo, hi = max(0, fact - 60), min(len(doc_ids), fact + 60)
+        lo_f, hi_f = state.get("fact_span") or [fact, fact]
+        lo, hi = max(0, fact - 50), min(len(doc_ids), (hi_f or fact) + 40)
         tok = self.studio.tokenizer
-        return [(tok.decode([doc_ids[p]]), "attended" if p in chosen else None) for p in range(lo, hi)]
 
-    def walkthrough(self, step, state, request: gr.Request):
-        """One step of the walkthrough, its picture from this user's teaching run (a short answer of PQCache on
-        the preset document for the search, fetch and attention steps)."""
-        text, fig = WALKTHROUGH[step]
-        user = user_of(request)
-        with self.pool.use(user):  # busy: the pool will not evict the document while the model works
-            try:
-                session = self.pool.session(user, "teaching")
-            except PQCacheError:  # the server freed it (memory cap or idle time)
-                session = None
-            if session is None and state:
-                return f"**{step}.** {text}\n\nRun the methods again: the server unloaded this document.", None
-            data = merged_data(session, None) if session else {}
-            if session is not None and fig != "timeline":
-                obs = Instrumentation(timeline=True, attention_every=1, recall_every=1)
-                try:
-                    session.ask(next(iter(TEACHING_FACTS.values())), method="pqcache", max_new_tokens=3, observer=obs)
-                except Exception as exc:  # the page says what happened; the document stays loaded
-                    return f"**{step}.** **Error:** {describe(exc)}", None
-                data = merged_data(session, obs)
-        return f"**{step}.** {text}", FIGURES[fig](data)
+        def kind(p):
+            in_fact = lo_f <= p < hi_f
+            if p in chosen:
+                return "the fact, attended" if in_fact else "attended"
+            return "the fact" if in_fact else None
+
+        return [(tok.decode([doc_ids[p]]), kind(p)) for p in range(lo, hi)]
+
+    def walkthrough(self, step, state, request: gr.Request | None = None):
+        """One step of the walkthrough: what it does, with numbers and a picture from this run (no model work)."""
+        intro, detail, draw = WALKTHROUGH[step]
+        walk = (state or {}).get("walk")
+        if walk is None:
+            return f"**{step}.** {intro}\n\n*Press Run side by side: the picture comes from that run.*", None
+        return f"**{step}.** {intro} {detail.format(**step_numbers(walk, state))}", draw(walk, state)
 
 
-def build_teaching_tab(tab: TeachingTab, methods: list[str]):
-    """The Teaching tab's components and events (inside a gr.Blocks)."""
-    model_work = tab.studio.model_work
-    t_state = gr.State(None)
-    gr.Markdown(
-        "One prefill of a preset document with three hidden facts; each method answers the same "
-        "question under the same budget. The strip shows where each method's attention went "
-        "(first full-attention layer, first generated token); the red line is the fact."
-    )
-    with gr.Row():
-        t_methods = gr.CheckboxGroup(methods, value=["pqcache", "snapkv", "streaming", "oracle"], label="Methods")
-        t_fact = gr.Dropdown(list(TEACHING_FACTS), value=list(TEACHING_FACTS)[0], label="Hidden fact")
-        t_budget = gr.Slider(0.05, 0.5, value=0.1, step=0.05, label="token budget")
-    t_run = gr.Button("Run side by side", variant="primary")
-    t_status = gr.Markdown()
-    t_table = gr.Dataframe(headers=["method", "answer", "tokens attended"], interactive=False, elem_id="teaching-table")
-    t_strip = gr.Plot(elem_id="teaching-strip")
-    t_pick = gr.Dropdown(methods, value="pqcache", label="Highlight the tokens this method attended to")
-    t_text = gr.HighlightedText(label="Around the fact", combine_adjacent=True)
-    t_pick.change(tab.spotlight_text, [t_state, t_pick], [t_text])
-    gr.Markdown("### Walkthrough of one decode step")
-    w_step = gr.Radio(list(WALKTHROUGH), value="1. Prefill", label="Step")
-    w_text = gr.Markdown()
-    w_plot = gr.Plot()
-    w_step.change(tab.walkthrough, [w_step, t_state], [w_text, w_plot], **model_work)
-    t_run.click(
-        tab.run_teaching,
-        [t_methods, t_fact, t_budget, t_state],
-        [t_state, t_status, t_table, t_strip, t_text],
-        **model_work,
-    ).then(tab.walkthrough, [w_step, t_state], [w_text, w_plot], **model_work)
+def step_numbers(w: dict, state: dict) -> dict:
+    """This run's numbers for the steps' explanations."""
+    f, a = w["fetch"], w["attention"]
+    weights = sorted(a["weight"], reverse=True)
+    return {
+        **{k: v for k, v in w.items() if not isinstance(v, (dict, list))},
+        "D": w["m"] * w["d"],
+        "cells": w["m"] * w["C"],
+        "hits": sum(f["hits"]),
+        "misses": sum(f["misses"]),
+        "held": sum(f["held"]),
+        "n_window": w["window"][1] - w["window"][0],
+        "n_att": len(a["pos"]),
+        "share": 100 * len(a["pos"]) / (w["n_tokens"] + 1),
+        "top10": 100 * sum(weights[:10]),
+        "label": next(iter(state.get("labels", {}).values()), "the first answer token"),
+        "score": (w.get("focus") or {}).get("score", float("nan")),
+    }
+
+
+# step -> (what it does, this run's numbers, its picture)
+WALKTHROUGH = {
+    "1. Prefill and PQ build": (
+        "The prefill computes exact attention over the whole document and copies each full-attention layer's keys "
+        "and values to host memory. Meanwhile a background thread clusters each layer's keys (faiss K-Means): a "
+        "key is cut into m sub-spaces, each with 2^bits centroids, and a token is kept as m one-byte codes, the "
+        "numbers of its nearest centroids.",
+        "Here, layer {layer}: keys of {D} numbers, m = {m} sub-spaces of {d}, 2^{bits} = {C} centroids each, "
+        "{n_tokens} tokens coded. The picture: sub-space 1's centroids and the sub-keys of the answer's tokens, "
+        "each joined to the centroid its code names.",
+        lambda w, s: pictures.codebook(w, s.get("labels")),
+    ),
+    "2. Lookup table": (
+        "For a new token, its query is cut the same way and multiplied with every centroid once: a small table. "
+        "A document token's approximate score is the sum of the m entries its codes name; no key is read.",
+        "Here the table has {m} x {C} = {cells} entries (the first of the {group} query heads sharing KV head "
+        "{kv_head}). Boxed: the cells of {label}, approximate score {score:.3f}.",
+        lambda w, s: pictures.lookup_table(w, next(iter(s.get("labels", {}).values()), "")),
+    ),
+    "3. Search": (
+        "The approximate scores pick the best candidates; their exact scores, computed where the keys live (host "
+        "memory: only the query goes there, only positions come back), keep the top k.",
+        "Here PQ kept the {n_wide} best of the candidates (rerank {rerank} x k, right of the orange line) and "
+        "the exact re-rank kept k = {k} (above the red line).",
+        lambda w, s: pictures.search(w),
+    ),
+    "4. Fetch": (
+        "Only the top-k tokens' keys and values travel to the device; blocks used often stay in a device block "
+        "cache. The sinks and the recent window are on the device all along.",
+        "Here: {hits} top-k tokens came from the device block cache, {misses} from host memory; {held} sink "
+        "and window tokens were already there.",
+        lambda w, s: pictures.fetch(w),
+    ),
+    "5. Attention": (
+        "Attention runs over the attended tokens only: sinks + top-k + recent window + the new token. A few tokens "
+        "carry most of the weight, which is why reading so few works.",
+        "Here {n_att} tokens of {n_tokens} ({share:.0f} %); the 10 heaviest carry {top10:.0f} % of the weight. "
+        "Red: the answer's place in the document.",
+        lambda w, s: pictures.attention(w, s.get("answer_pos")),
+    ),
+}

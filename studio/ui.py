@@ -6,22 +6,27 @@ import gradio as gr
 
 from pqcache import METHODS
 from studio.costmodel_tab import DEFAULT, build_cost_tab, cost
-from studio.qa import QATab, build_qa_tab
+from studio.qa import QATab
+from studio.qa_page import build_qa_tab
 from studio.state import Studio
-from studio.teaching import TeachingTab, build_teaching_tab
+from studio.teaching import TeachingTab
+from studio.teaching_page import build_teaching_tab
 
 
 def build_ui(studio: Studio) -> gr.Blocks:
     methods = list(METHODS)
     qa, teaching = QATab(studio), TeachingTab(studio)
     with gr.Blocks(title="PQCache Studio") as demo:
-        gr.Markdown("# PQCache Studio\nAttention that reads only the tokens product-quantization search picks.")
+        gr.Markdown(
+            "# PQCache Studio\nAsk questions about a long document while attention reads only the tokens that "
+            "product-quantization search picks, and see what the cache did."
+        )
         with gr.Tab("Document Q&A"):
             build_qa_tab(qa, methods)
         with gr.Tab("Teaching"):
             build_teaching_tab(teaching, methods)
         with gr.Tab("Cost model"):
             cost_outputs = build_cost_tab()
-        demo.load(lambda: cost(*DEFAULT), None, cost_outputs)
+        demo.load(lambda: cost(*DEFAULT), None, cost_outputs, api_name=False, show_progress="hidden")
         demo.unload(qa.end_user)  # a closed tab frees its caches
     return demo

@@ -126,3 +126,39 @@ def small_app_url():
         "--pq-timeout",
         "8",
     )
+
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}{{ eos_token }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def byte_tokenizer(chat_template: str | None = None):
+    """A real (fast) tokenizer built in-process: one token per byte (ids 3..258) after <pad>, <s> (BOS, added by
+    default) and </s> (EOS); decoding gives the text back exactly. chat_template: a Jinja chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {t: i for i, t in enumerate(specials + sorted(alphabet))}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    core.decoder = decoders.ByteLevel()
+    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+        chat_template=chat_template,
+    )
+
+
+def tiny_chat_model(seed: int = 0):
+    """A random-weight Llama whose tokenizer has a chat template (an 'instruct model' in miniature): (model, tok)."""
+    tok = byte_tokenizer(CHAT_TEMPLATE)
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(**{**COMMON, "vocab_size": len(tok)}, bos_token_id=1, eos_token_id=2)
+    return LlamaForCausalLM(cfg).eval(), tok

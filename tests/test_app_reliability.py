@@ -9,7 +9,7 @@ from gradio_client import Client, handle_file
 from gradio_client.utils import Status
 
 from pqcache.serving.settings import LoadSettings
-from pqcache.tools.passkey import QUESTION, passkey_context
+from pqcache.tools.passkey import LONG_QUESTION, QUESTION, passkey_context
 
 from .test_documents import BAD_FILES
 
@@ -110,7 +110,7 @@ def test_memory_cap_evicts_the_idle_user_and_tells_them(small_app_url):
 def test_requests_queue_with_a_visible_position(small_app_url):
     ann, bob = Client(small_app_url, verbose=False), Client(small_app_url, verbose=False)
     assert load(ann, PASSKEY).startswith("Loaded")
-    long = ann.submit(QUESTION, [], "pqcache", 256, "5", api_name="/ask")
+    long = ann.submit(LONG_QUESTION, [], "pqcache", 256, "5", api_name="/ask")
     wait_for(lambda: len(long.outputs()) >= 2)  # ann holds the only model slot
     waiting = bob.submit(QUESTION, [], "pqcache", 4, "5", api_name="/ask")
     seen = []

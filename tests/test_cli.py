@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PASSKEY = ROOT / "assets" / "passkey_1k.txt"
-QUESTION = "What is the pass key? The pass key is"
+QUESTION = "What is the pass key?"  # in plain words: the prompt builder frames it
 SUBCOMMANDS = ("generate", "bench", "eval", "datasets", "loadtest", "calibrate")
 
 
@@ -91,7 +91,7 @@ def test_bench_attention_json_shape():
         (["--token-budget", "0"], "token_budget must be > 0"),
         (["--model", "/no/such/model"], "does not exist"),
         (["--context-file", "/no/such/file.txt"], "cannot open file.txt"),
-        (["--context-file", str(ROOT / "pqcache" / "__init__.py")], "unsupported file type"),
+        (["--context-file", str(ROOT / "docs" / "screenshots" / "app.png")], "unsupported file type"),
     ],
 )
 def test_generate_bad_input_gives_clear_error(args, message):
@@ -207,3 +207,64 @@ def test_pqcache_console_script_help_lists_the_subcommands(capsys):
         proc = subprocess.run(["pqcache", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-2000:]
         assert all(cmd in proc.stdout for cmd in SUBCOMMANDS), proc.stdout
+
+
+# ---- documents from standard input and from files without a known extension (a tiny chat model, in-process) --
+@pytest.fixture(scope="module")
+def chat_model_dir(tmp_path_factory):
+    """A local Hugging Face folder with a tiny model whose tokenizer has a chat template (`--model PATH`)."""
+    from .conftest import tiny_chat_model
+
+    path = tmp_path_factory.mktemp("chat-model")
+    model, tok = tiny_chat_model()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def generate_in_process(capsys, *args) -> tuple[int, dict | None, str]:
+    from pqcache.tools.cli import main
+
+    code = main(["generate", "--method", "full", "--question", "What is the code?", "--max-new-tokens", "3", *args])
+    out, err = capsys.readouterr()
+    return code, (json.loads(out.strip().splitlines()[-1]) if code == 0 else None), err
+
+
+def prompt_tokens(model_dir, text: str) -> int:
+    from transformers import AutoTokenizer
+
+    from pqcache.serving.prompt import build_prompt
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return sum(ids.shape[1] for ids in build_prompt(tok, text, "What is the code?").encode(tok))
+
+
+DOCUMENT = "Notes from the meeting.\nThe secret code for the blue door is 4721.\n"
+
+
+def test_context_file_dash_reads_standard_input(chat_model_dir, capsys, monkeypatch):
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(DOCUMENT.encode())))
+    code, result, err = generate_in_process(capsys, "--model", str(chat_model_dir), "--context-file", "-", "--json")
+    assert code == 0, err
+    assert result["stats"]["prompt_tokens"] == prompt_tokens(chat_model_dir, DOCUMENT)  # the document was read
+    assert result["ended"] in ("eos", "repetition", "max_new_tokens") and len(result["tokens"]) <= 3
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(bytes(range(256)) * 4)))
+    code, _, err = generate_in_process(capsys, "--model", str(chat_model_dir), "--context-file", "-")
+    assert code == 2 and "error: standard input: unsupported file type" in err and "Traceback" not in err
+
+
+def test_a_text_file_without_a_known_extension_is_read(chat_model_dir, capsys, tmp_path):
+    notes = tmp_path / "notes"
+    notes.write_text(DOCUMENT, encoding="utf-8")
+    code, result, err = generate_in_process(
+        capsys, "--model", str(chat_model_dir), "--context-file", str(notes), "--json"
+    )
+    assert code == 0, err
+    assert result["stats"]["prompt_tokens"] == prompt_tokens(chat_model_dir, DOCUMENT)
+    (tmp_path / "photo").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(300))
+    code, _, err = generate_in_process(
+        capsys, "--model", str(chat_model_dir), "--context-file", str(tmp_path / "photo")
+    )
+    assert code == 2 and "photo: unsupported file type" in err

@@ -43,7 +43,7 @@ BAD_FILES = [
     ("truncated.pdf", make_pdf("The pass key is 1.")[:60], DocumentError, "could not read the PDF"),
     ("scan.pdf", make_pdf(None), DocumentError, "no text layer"),
     ("report.docx", b"PK\x03\x04", DocumentError, "unsupported file type"),
-    ("notes", b"plain words", DocumentError, "unsupported file type"),
+    ("notes", bytes(range(256)) * 4, DocumentError, "notes: unsupported file type"),
     ("latin.txt", "Café crème".encode("cp1252"), DocumentEncodingError, r"not UTF-8 text \(byte 0xe9 at offset 3\)"),
 ]
 

@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
+from pqcache.serving.generate import ENDINGS
+from pqcache.serving.prompt import build_prompt
 from pqcache.tools import datasets, evaluate
 
 from .conftest import WordTokenizer, tiny_model
@@ -62,28 +64,31 @@ def test_one_prefill_per_case_shared_by_all_methods(query_aware):
         PQCacheConfig(token_budget=0.2, n_init=4, bits=4, kmeans_iters=5),
         max_new_tokens=3,
     )
+    n_question = build_prompt(WordTokenizer(), context, case["question"]).encode(WordTokenizer())[1].shape[1]
     long_forwards = [n for n in lengths if n >= 200]
-    assert long_forwards == [204 if query_aware else 200]  # the one prefill (context + 4 question tokens)
+    assert long_forwards == [200 + n_question if query_aware else 200]  # the one prefill (context + question part)
     question_chunks = [n for n in lengths if 1 < n < 200]
-    assert question_chunks == ([] if query_aware else [4] * len(methods))
+    assert question_chunks == ([] if query_aware else [n_question] * len(methods))
     assert [r["method"] for r in rows] == methods and all(r["task"] == "demo" for r in rows)
     assert all(
         set(r) >= {"id", "method", "prediction", "score", "context_tokens", "prefill_s", "decode_s"} for r in rows
     )
+    assert all(r["ended"] in ENDINGS and isinstance(r["repeating"], bool) for r in rows)
 
 
 def test_summary_per_method_and_group():
     rows = [
-        {"method": "a", "score": 1.0, "task": "x"},
-        {"method": "a", "score": 0.0, "task": "y"},
-        {"method": "b", "score": 0.5, "task": "x"},
+        {"method": "a", "score": 1.0, "task": "x", "ended": "end_of_answer", "repeating": False},
+        {"method": "a", "score": 0.0, "task": "y", "ended": "max_new_tokens", "repeating": True},
+        {"method": "b", "score": 0.5, "task": "x", "ended": "max_new_tokens", "repeating": False},
     ]
     assert evaluate.summarize(rows) == [
-        {"method": "a", "cases": 2, "score": 50.0},
-        {"method": "b", "cases": 1, "score": 50.0},
+        {"method": "a", "cases": 2, "score": 50.0, "at_max": 1, "repeating": 1},
+        {"method": "b", "cases": 1, "score": 50.0, "at_max": 1, "repeating": 0},
     ]
     grouped = evaluate.summarize(rows, ["task"])
-    assert {"task": "y", "method": "a", "cases": 1, "score": 0.0} in grouped and len(grouped) == 3
+    assert {"task": "y", "method": "a", "cases": 1, "score": 0.0, "at_max": 1, "repeating": 1} in grouped
+    assert len(grouped) == 3
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +106,39 @@ def test_niah_needle_at_a_sentence_boundary_at_depth(tok):
         i = round(case["depth"] * len(sents))
         assert ctx == " ".join(sents[:i] + [datasets.NEEDLE] + sents[i:])  # between whole sentences
         assert len(tok(ctx).input_ids) <= 1024
+
+
+def test_natural_needle_cases_ask_in_plain_words(tok):
+    cases = datasets.niah(tok, lengths=(1024, 2048), depths=(0.1, 0.5, 0.9), query_aware="both", natural=True)
+    assert len(cases) == 12 and len({c["id"] for c in cases}) == 12
+    assert {c["task"] for c in cases} == {"niah_natural"}
+    sents = datasets.haystack(tok, 1024 - 40)
+    for case, twin in zip(cases[::2], cases[1::2]):
+        assert (case["query_aware"], twin["query_aware"]) == (True, False)
+        assert {k: v for k, v in case.items() if k not in ("id", "query_aware")} == {
+            k: v for k, v in twin.items() if k not in ("id", "query_aware")
+        }
+        (answer,) = case["answers"]
+        question, needle, ctx = case["question"], case["needle"], case["context"]
+        assert question.endswith("?") and answer.lower() not in question.lower()  # no answer cue, no answer
+        assert answer in needle and ctx.count(needle) == 1 and ctx.count(answer) == 1
+        if case["length"] == 1024:
+            i = round(case["depth"] * len(sents))
+            assert ctx == " ".join(sents[:i] + [needle] + sents[i:])  # between whole sentences, at the depth
+        assert len(tok(ctx).input_ids) <= case["length"]
+    assert len({c["fact"] for c in cases}) == 6  # every kind of fact: codes, words, numbers, names, places
+    again = datasets.niah(tok, lengths=(1024, 2048), depths=(0.1, 0.5, 0.9), query_aware="both", natural=True)
+    assert again == cases  # seeded
+
+
+def test_datasets_cli_writes_natural_cases(tmp_path, real_model):
+    from pqcache.tools.cli import main
+
+    out = tmp_path / "natural.jsonl"
+    args = ["datasets", "niah", "--natural", "--lengths", "1024", "--depths", "0.5", "--query-aware", "false"]
+    assert main([*args, "--out", str(out)]) == 0
+    (case,) = evaluate.load_cases(out)
+    assert case["task"] == "niah_natural" and case["query_aware"] is False and case["question"].endswith("?")
 
 
 def test_ruler_cases_hold_their_answers(tok):
@@ -138,6 +176,8 @@ def test_method_variants_run_in_one_case_with_their_own_settings():
     name, cfg = evaluate.method_spec("pqcache/m=1/bits=4/rerank=1", PQCacheConfig(token_budget=0.2))
     assert name == "pqcache" and (cfg.m, cfg.bits, cfg.rerank, cfg.token_budget) == (1, 4, 1, 0.2)
     assert evaluate.method_spec("oracle", PQCacheConfig())[1] == PQCacheConfig()
+    _, cfg = evaluate.method_spec("pqcache/opq=true/chunk_attention=selected/bits=auto/token_budget=0.05", cfg)
+    assert (cfg.opq, cfg.chunk_attention, cfg.bits, cfg.token_budget) == (True, "selected", None, 0.05)
     with pytest.raises(ValueError, match="not a PQCacheConfig setting"):
         evaluate.method_spec("pqcache/speed=fast", PQCacheConfig())
     model = tiny_model("llama")

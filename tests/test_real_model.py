@@ -57,3 +57,24 @@ def test_load_model_from_local_folder(real_model, tmp_path):
     model, tok = load_model(str(tmp_path), device="cpu")
     assert type(model).__name__ == "LlamaForCausalLM"
     assert (default_model_dir() / "model.safetensors").exists()
+
+
+def test_a_question_in_plain_words_is_answered_and_the_answer_ends(real_model):
+    """The prompt builder's frame: "What is the pass key?" (no answer cue) on the bundled sample document, with
+    full attention and with PQCache at the app's defaults; each answer stops at its end, not at max_new_tokens."""
+    from pathlib import Path
+
+    from pqcache.serving.session import DocumentSession
+    from pqcache.serving.settings import LoadSettings
+
+    model, tok = real_model
+    text = (Path(__file__).resolve().parents[1] / "assets" / "passkey_1k.txt").read_text(encoding="utf-8")
+    session = DocumentSession(model, tok, LoadSettings().to_config(), method="pqcache")
+    session.load(text)
+    try:
+        for method in ("full", "pqcache"):
+            answer = session.ask("What is the pass key?", method=method, max_new_tokens=24)
+            assert "68422" in answer.text, (method, answer.text)
+            assert answer.ended == "end_of_answer" and len(answer.tokens) < 24, (method, answer.text)
+    finally:
+        session.close()

@@ -105,45 +105,57 @@ def teaching(tmp_path):
     studio.pool.close()
 
 
-def run(tab):
-    state, status, rows, strip, spotlight = tab.run_teaching(
-        ["pqcache", "streaming"], FACT, 0.2, None, request=USER, progress=quiet
+def run(tab, methods=("pqcache", "streaming"), step="1. Prefill and PQ build"):
+    state, status, rows, strip, spotlight, text, picture = tab.run_teaching(
+        list(methods), FACT, 0.2, step, None, request=USER, progress=quiet
     )
     return state, status, rows
 
 
-def test_teaching_runs_side_by_side(teaching):
+def test_teaching_runs_side_by_side_with_the_right_answer(teaching):
+    from studio.teaching import question_line
+
     state, status, rows = run(teaching)
     assert status.startswith("Prefilled 250 tokens once; the fact starts at token 150")
-    assert [r[0] for r in rows] == ["pqcache", "streaming"] and all(r[2] > 0 for r in rows)
+    assert [r[0] for r in rows] == ["pqcache", "streaming"] and all(r[3] > 0 for r in rows)
+    assert all(r[2] in ("yes", "no") for r in rows)  # right or not, against the answer on screen
+    assert question_line(FACT).endswith("**Right answer:** 4721")
     assert teaching.pool.session("teacher", "teaching") is not None
-    assert teaching.spotlight_text(state, "streaming")  # the tokens around the fact
-    text, figure = teaching.walkthrough("1. Prefill", state, USER)
-    assert text.startswith("**1. Prefill.**") and figure is not None
+    spotlight = teaching.spotlight_text(state, "streaming")  # the tokens around the fact, by colour, no tags
+    assert {kind for _, kind in spotlight} <= {None, "attended", "the fact", "the fact, attended"}
+    assert any(kind and "the fact" in kind for _, kind in spotlight)
 
 
 def test_teaching_spotlight_shows_what_each_method_attended_within_the_budget(teaching):
     state, _, rows = run(teaching)
-    attended = {method: n for method, _, n in rows}
+    attended = {r[0]: r[3] for r in rows}
     assert 0 < attended["streaming"] <= 0.2 * 250  # within the budget: the sinks and the recent window
     assert 0 < attended["pqcache"] < 250  # the top-k of its heads together, not the whole document
     assert state["selections"]["streaming"] == sorted(state["selections"]["streaming"])
     assert not any(110 <= p < 150 for p in state["selections"]["streaming"])  # far from both sinks and window
 
 
-def test_teaching_walkthrough_takes_a_slot_in_the_pool(teaching, monkeypatch):
-    state, _, _ = run(teaching)
-    busy, real_ask = [], DocumentSession.ask
+@pytest.mark.parametrize("methods", [("pqcache", "streaming"), ("streaming",)])
+def test_teaching_walkthrough_has_a_picture_per_step_from_the_run_and_no_model_work(teaching, monkeypatch, methods):
+    from studio.teaching import WALKTHROUGH
 
-    def ask(self, *args, **kwargs):
-        busy.append(teaching.pool.entry("teacher").busy)
-        return real_ask(self, *args, **kwargs)
+    state, _, _ = run(teaching, methods)  # without pqcache among the methods it records a short answer of its own
+    walk = state["walk"]
+    assert walk["layer"] == 0 and walk["k"] > 0 and walk["n_wide"] >= walk["k"]
+    monkeypatch.setattr(DocumentSession, "ask", lambda *a, **k: pytest.fail("the walkthrough asked the model"))
+    titles = set()
+    for step in WALKTHROUGH:
+        text, figure = teaching.walkthrough(step, state, USER)
+        assert text.startswith(f"**{step}.**") and "{" not in text  # every number filled in from the run
+        names = [tr.name for tr in figure.data if tr.showlegend is not False]
+        assert figure.data and len(names) == len(set(names))  # one legend entry per series
+        titles.add(figure.layout.title.text.split(":")[0])
+    assert len(titles) == 5  # five different pictures
 
-    monkeypatch.setattr(DocumentSession, "ask", ask)
-    text, figure = teaching.walkthrough("3. Search", state, USER)
-    assert text.startswith("**3. Search.**") and figure is not None
-    assert busy == [1]  # the user is marked busy while the model works: the pool cannot evict the document
-    assert teaching.pool.entry("teacher").busy == 0
+
+def test_teaching_walkthrough_before_a_run_says_what_to_do(teaching):
+    text, figure = teaching.walkthrough("3. Search", None, USER)
+    assert "Press Run side by side" in text and figure is None
 
 
 def test_teaching_errors_are_messages_without_a_traceback(teaching, monkeypatch):
@@ -157,8 +169,6 @@ def test_teaching_errors_are_messages_without_a_traceback(teaching, monkeypatch)
         "**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
         "the details are in the server log"
     )
-    text, figure = teaching.walkthrough("4. Fetch", state, USER)
-    assert text == f"**4. Fetch.** {message}" and figure is None
     again, status, rows = run(teaching)
     assert status == message and rows == [] and again is None  # the page's state stays as it was
     assert teaching.pool.entry("teacher").busy == 0
@@ -167,5 +177,19 @@ def test_teaching_errors_are_messages_without_a_traceback(teaching, monkeypatch)
 def test_teaching_walkthrough_after_the_server_freed_the_document(teaching):
     state, _, _ = run(teaching)
     teaching.pool.free("teacher", "teaching")
-    text, figure = teaching.walkthrough("3. Search", state, USER)
-    assert "Run the methods again: the server unloaded this document." in text and figure is None
+    text, figure = teaching.walkthrough("4. Fetch", state, USER)  # the pictures are the run's, kept on the page
+    assert text.startswith("**4. Fetch.**") and figure.data
+
+
+# ---- cost model ---------------------------------------------------------------------------------------------
+def test_cost_model_says_what_fits_and_the_budget_unit():
+    from studio.costmodel_tab import cost, intro
+
+    rows, figure = cost("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", 0.2)
+    table = {r[0]: r[1:] for r in rows}
+    assert table["device KV, full attention (GiB)"] == ["16.00", "weights + KV: does not fit (30.9 > 24 GiB)"]
+    assert table["device KV, PQCache (GiB)"][1].startswith("weights + KV + PQ: fits (")
+    assert table["token budget"][0] == "0.2 of the context = 26,215 tokens per step"
+    rows, _ = cost("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", 3)
+    assert rows[0][1].startswith("3 tokens per step (a count")
+    assert figure is not None and intro().count("not a measurement") == 1  # said once

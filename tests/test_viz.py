@@ -54,13 +54,34 @@ def test_recall_and_hit_rate_lines(recorded):
     assert hits.data[-1].y[-1] == pytest.approx(total_h / total)
 
 
-def test_timeline_has_a_lane_per_kind(recorded):
+def test_timeline_names_what_ran_where_and_shows_a_recent_window(recorded):
     data, _ = recorded
-    fig = figures.timeline(data)
+    fig = figures.timeline(data)  # a CPU run, the whole run
     lanes = {tr.name for tr in fig.data}
-    assert {"device compute", "host clustering", "copy to host"} <= lanes
-    for tr in fig.data:
-        assert all(w > 0 for w in tr.x) and tr.orientation == "h"
+    assert {"compute (CPU)", "K-Means (CPU, background thread)", "copy to the host tier (CPU memory)"} <= lanes
+    assert "GPU" not in fig.layout.title.text and "whole run" in fig.layout.title.text
+    for tr in fig.data:  # one path per lane: spans as (start, end, gap) triples, each at least a pixel wide
+        starts, ends = tr.x[0::3], tr.x[1::3]
+        assert all(e > s for s, e in zip(starts, ends)) and all(x is None for x in tr.x[2::3])
+    t_end = max(e["end"] for e in data["events"])
+    recent = figures.timeline(data, "cpu", window_s=0.05)
+    assert tuple(recent.layout.xaxis.range) == pytest.approx((t_end - 0.05, t_end))
+    assert sum(len(tr.x) for tr in recent.data) < sum(len(tr.x) for tr in fig.data)
+    assert "compute (GPU)" in {tr.name for tr in figures.timeline(data, "cuda").data}
+
+
+def test_whole_run_timeline_merges_spans_it_could_not_draw_apart():
+    events = [{"lane": "device compute", "layer": 0, "start": i * 1e-3, "end": i * 1e-3 + 5e-4} for i in range(6000)]
+    fig = figures.timeline({"lanes": ["device compute"], "events": events})
+    assert len(fig.data[0].x) // 3 <= figures.TIMELINE_BARS
+
+
+def test_recall_and_hit_rate_say_when_they_do_not_apply(recorded):
+    data, _ = recorded
+    for fig in (figures.recall(data, "full"), figures.hit_rate(data, "full")):
+        assert not fig.data and "Does not apply to full attention" in fig.layout.annotations[0].text
+    fig = figures.recall(data, "pqcache")
+    assert fig.layout.xaxis.dtick >= 1 and fig.layout.xaxis.tickformat == "d"  # whole-number steps
 
 
 def test_memory_bars_match_stats(recorded):
@@ -77,7 +98,9 @@ def test_heat_strip_counts_positions_and_marks_the_fact(recorded):
     fig = figures.heat_strip({"pqcache": positions, "other": [5, 6, 7]}, n_tokens=310, marks=[100], n_bins=31)
     z = fig.data[0].z
     assert sum(z[0]) == len([p for p in positions if p < 310]) and sum(z[1]) == 3
-    assert fig.layout.shapes[0].x0 == 100
+    fact = [tr for tr in fig.data if tr.name == "the hidden fact"]
+    assert len(fact) == 1 and list(fact[0].x) == [100, 100]  # the fact's line, with its own legend entry
+    assert fig.data[0].showscale is not False and fig.data[0].colorbar.title.text.startswith("tokens attended")
 
 
 def test_empty_data_gives_placeholder_figures():
@@ -103,6 +126,10 @@ def test_cost_model_curve_and_estimate():
     assert 3 <= e["t_max"] <= 300
     fig = figures.cost_curves(rows)
     assert fig.layout.xaxis.type == "log" and "model" in fig.layout.title.text
+    lo, hi = fig.layout.yaxis.range  # log10 GiB: the data's range, the GPU's 24 GiB inside it
+    values = [y for tr in fig.data for y in tr.y]
+    assert 10**lo <= min(values) and max(values) <= 10**hi and hi - lo < 3
+    assert [tr.name for tr in fig.data][-1] == "GPU memory (24 GiB)" and set(fig.data[-1].y) == {24}
 
 
 def test_recall_grid_lines_per_setting():

@@ -1,4 +1,5 @@
-"""Reading a user's document into text: .txt, .md, .pdf files or pasted text.
+"""Reading a user's document into text: .txt, .md, .pdf files, other files whose content is text, standard input
+(read_bytes) or pasted text.
 
 Everything that cannot become useful text raises DocumentError (or DocumentEncodingError) with a
 message that says what to do. Text files must be UTF-8 (a BOM, UTF-8 or UTF-16, is honoured) unless
@@ -79,20 +80,36 @@ def read_pdf(path: str, name: str) -> str:
     return text
 
 
+def read_bytes(data: bytes, name: str, encoding: str | None = None, max_bytes: int = MAX_DOCUMENT_BYTES) -> str:
+    """The text of a document given as bytes with no known file type (a file without a known extension,
+    standard input): a PDF (by its %PDF- header) or text; binary content is refused as an unsupported type."""
+    if len(data) > max_bytes:
+        raise DocumentError(f"{name} is over the {_mib(max_bytes)} limit")
+    if data.startswith(b"%PDF-"):
+        import io
+
+        return check_text(read_pdf(io.BytesIO(data), name), name)
+    if looks_binary(data):
+        raise DocumentError(f"{name}: unsupported file type; upload a .txt, .md or .pdf file")
+    return check_text(decode_text(data, name, encoding), name)
+
+
 def read_document(
     path: str | None = None, text: str | None = None, encoding: str | None = None, max_bytes: int = MAX_DOCUMENT_BYTES
 ) -> str:
-    """The text of the file at `path` (.txt, .md, .pdf), else `text` (pasted). Raises DocumentError."""
+    """The text of the file at `path` (.txt, .md, .pdf; a file with another or no extension when its content is
+    text), else `text` (pasted). Raises DocumentError."""
     if path:
         name = os.path.basename(path)
-        if not name.lower().endswith(SUPPORTED_TYPES):
-            raise DocumentError(f"{name}: unsupported file type; upload a .txt, .md or .pdf file")
         try:
             size = os.path.getsize(path)
         except OSError as exc:
             raise DocumentError(f"cannot open {name}: {exc.strerror}") from None
         if size > max_bytes:
             raise DocumentError(f"{name} is {_mib(size)}; the limit is {_mib(max_bytes)}")
+        if not name.lower().endswith(SUPPORTED_TYPES):  # read when its content is text
+            with open(path, "rb") as f:
+                return read_bytes(f.read(), name, encoding, max_bytes)
         if name.lower().endswith(".pdf"):
             return check_text(read_pdf(path, name), name)
         with open(path, "rb") as f:

@@ -1,7 +1,8 @@
 """A document session: prefill a document once, then answer questions about it with any method.
 
 Each question continues a fork of the prefilled document cache (so questions do not see each
-other), runs as one chunk (see layer.py: a chunk picks one top-k set), and decodes greedily. The
+other), runs as one chunk after it, and decodes greedily until the answer ends. The prompt builder
+(pqcache.serving.prompt) gives the document part (cached, the same for every question) and the question part. The
 app drives this from a worker thread and reads the observer's data while tokens stream.
 
 The model may be shared by several sessions on several threads: per-layer hooks (progress, stop)
@@ -26,6 +27,7 @@ from pqcache.engine.instrument import Instrumentation
 from pqcache.engine.shapes import head_dim_of
 from pqcache.serving.documents import check_text
 from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
+from pqcache.serving.prompt import PromptBuilder
 
 ANSWER_ROOM = 512  # tokens kept free for the question and the answer
 
@@ -37,6 +39,7 @@ class Answer:
     seconds: float = 0.0
     done: bool = False
     stopped: bool = False
+    ended: str = ""  # why the answer ended: eos, end_of_answer, repetition, max_new_tokens or stopped
 
 
 @contextmanager
@@ -82,6 +85,7 @@ class DocumentSession:
     ):
         """max_tokens: the longest document accepted (default: what the model reads, less ANSWER_ROOM)."""
         self.model, self.tokenizer = model, tokenizer
+        self.prompt = PromptBuilder(tokenizer)  # the document part is cached, each question runs after it
         self.max_tokens = max_tokens
         self.config = config or PQCacheConfig()
         self.method = method
@@ -131,7 +135,7 @@ class DocumentSession:
         if truncate not in ("refuse", "middle"):
             raise InputError(f"truncate must be 'refuse' or 'middle', got {truncate!r}")
         check_text(text)
-        ids = self.tokenizer(text, return_tensors="pt").input_ids.to(self.device)
+        ids = self.prompt.document_ids(text).to(self.device)
         n_doc, limit = int(ids.shape[1]), self.max_document_tokens
         if limit and n_doc > limit:
             if truncate == "refuse":
@@ -211,7 +215,7 @@ class DocumentSession:
         cache = self.cache.fork(method or self.method)
         if observer is not None:
             cache.instrument(observer)
-        q_ids = self.tokenizer("\n\n" + question.strip(), add_special_tokens=False, return_tensors="pt").input_ids
+        q_ids = self.prompt.question_ids(question)
         answer = Answer()
         t0 = time.perf_counter()
 
@@ -227,13 +231,15 @@ class DocumentSession:
                 with self.lock, layer_hooks(self.model, None, stop):
                     logits = prefill(self.model, q_ids.to(self.device), cache)
             except Cancelled:  # stopped while reading the question
-                answer.stopped = True
+                answer.stopped, answer.ended = True, "stopped"
             else:  # the next token's check of `stop` ends the answer (Stop halts at the next token)
                 eos = eos_token_ids(self.model, self.tokenizer)
+                rule = self.prompt.stop_rule()
                 decoded = decode_n_tokens(
-                    self.model, logits, cache, max_new_tokens, eos, show, stop=stop, lock=self.lock
+                    self.model, logits, cache, max_new_tokens, eos, show, stop=stop, lock=self.lock, stop_rule=rule
                 )
-                answer.tokens, answer.stopped = decoded.tokens, decoded.stopped
+                answer.tokens, answer.stopped, answer.ended = decoded.tokens, decoded.stopped, decoded.ended
+                answer.text = self.tokenizer.decode(answer.tokens, skip_special_tokens=True)
         finally:
             self.last_stats = cache.stats()
             cache.close()

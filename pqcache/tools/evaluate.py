@@ -16,7 +16,8 @@ import torch
 
 from pqcache.engine.cache import PQCache
 from pqcache.engine.config import PQCacheConfig
-from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
+from pqcache.serving.generate import decode_n_tokens, eos_token_ids, looping, prefill
+from pqcache.serving.prompt import build_prompt
 
 REQUIRED = ("id", "context", "question", "answers")
 
@@ -69,20 +70,31 @@ def method_spec(spec: str, config: PQCacheConfig) -> tuple[str, PQCacheConfig]:
         key, _, value = item.partition("=")
         if key not in types or not value:
             raise ValueError(f"method variant {spec!r}: {item!r} is not a PQCacheConfig setting=value")
-        overrides[key] = (
-            value
-            if key in ("metric", "gqa_combine", "cache_policy", "chunk_attention")
-            else (None if value == "auto" else float(value) if "." in value else int(value))
-        )
+        overrides[key] = _setting(value)
     return name, replace(config, **overrides)
+
+
+def _setting(value: str):
+    """A setting typed in a method variant: auto -> None, true/false, a number, or the word itself."""
+    words = {"auto": None, "none": None, "true": True, "false": False}
+    if value.lower() in words:
+        return words[value.lower()]
+    try:
+        return float(value) if "." in value else int(value)
+    except ValueError:
+        return value
 
 
 @torch.no_grad()
 def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheConfig, max_new_tokens: int = 24):
+    """Every method answers `case` on a fork of one prefill. The prompt comes from the prompt builder (the
+    document part, then the question part) and the answer ends by its stop rule; each row says why it ended
+    (`ended`) and whether it ran on repeating itself (`repeating`: cut by the repetition rule, or at
+    max_new_tokens in a verbatim loop)."""
     device = next(model.parameters()).device
-    question = "\n\n" + case["question"].strip()
-    q_ids = tokenizer(question, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
-    ctx_ids = tokenizer(case["context"], return_tensors="pt").input_ids.to(device)
+    prompt = build_prompt(tokenizer, case["context"], case["question"])
+    ctx_ids, q_ids = (ids.to(device) for ids in prompt.encode(tokenizer))
+    rule = prompt.stop_rule(tokenizer)
     if case.get("query_aware", True):
         prefill_ids = torch.cat([ctx_ids, q_ids], 1)
     else:
@@ -100,7 +112,8 @@ def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheCo
         cache = base.fork(name, settings)
         t1 = time.perf_counter()
         first = logits if case.get("query_aware", True) else prefill(model, q_ids, cache)
-        tokens = decode_n_tokens(model, first, cache, max_new_tokens, eos).tokens
+        decoded = decode_n_tokens(model, first, cache, max_new_tokens, eos, stop_rule=rule)
+        tokens = decoded.tokens
         decode_s = time.perf_counter() - t1
         prediction = tokenizer.decode(tokens, skip_special_tokens=True)
         rows.append(
@@ -113,6 +126,8 @@ def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheCo
                 "context_tokens": int(ctx_ids.shape[1]),
                 "question_tokens": int(q_ids.shape[1]),
                 "new_tokens": len(tokens),
+                "ended": decoded.ended,
+                "repeating": decoded.ended == "repetition" or (decoded.ended == "max_new_tokens" and looping(tokens)),
                 "prefill_s": round(prefill_s, 3),
                 "decode_s": round(decode_s, 3),
             }
@@ -123,19 +138,22 @@ def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheCo
 
 
 def summarize(rows: list[dict], group_by: list[str] | None = None) -> list[dict]:
-    """Mean score per method (and per group-by fields), with the number of cases."""
+    """Mean score per method (and per group-by fields), with the number of cases, how many answers ran to
+    max_new_tokens (`at_max`) and how many ran on repeating themselves (`repeating`)."""
     keys = group_by or []
     acc = defaultdict(list)
     for r in rows:
-        acc[tuple(r.get(k) for k in keys) + (r["method"],)].append(r["score"])
+        acc[tuple(r.get(k) for k in keys) + (r["method"],)].append(r)
     out = []
-    for key, scores in sorted(acc.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
+    for key, group in sorted(acc.items(), key=lambda kv: tuple(str(x) for x in kv[0])):
         out.append(
             {
                 **dict(zip(keys, key[:-1])),
                 "method": key[-1],
-                "cases": len(scores),
-                "score": round(100 * sum(scores) / len(scores), 1),
+                "cases": len(group),
+                "score": round(100 * sum(r["score"] for r in group) / len(group), 1),
+                "at_max": sum(r.get("ended") == "max_new_tokens" for r in group),
+                "repeating": sum(bool(r.get("repeating")) for r in group),
             }
         )
     return out

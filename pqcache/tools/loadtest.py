@@ -25,10 +25,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from pqcache.serving.settings import LoadSettings
+from pqcache.tools.passkey import LONG_QUESTION, QUESTION
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: app.py, assets/
 PASSKEY = ROOT / "assets" / "passkey_1k.txt"
-QUESTION = "What is the pass key? The pass key is"
 SETTINGS = LoadSettings()  # the app's load form, at its defaults
 # replies that are a readable message, not a failure: the server is full, or evicted this user
 MESSAGES = ("**Error:**", "Load a document first", "Your document was unloaded", "Stopped:", "Error: load a document")
@@ -124,7 +124,8 @@ class User:
         return job.result(timeout=self.timeout)[0]
 
     def _ask(self, max_new: int, stop_after: int | None = None):
-        job = self.client.submit(QUESTION, [], "pqcache", max_new, "5", api_name="/ask")
+        question = QUESTION if stop_after is None else LONG_QUESTION  # a long answer to stop halfway
+        job = self.client.submit(question, [], "pqcache", max_new, "5", api_name="/ask")
         deadline = time.time() + self.timeout
         if stop_after is not None:
             while len(job.outputs()) < stop_after and not job.done() and time.time() < deadline:

@@ -1,0 +1,140 @@
+"""The Document Q&A tab's components and events (inside a gr.Blocks): a how-to line, the document (file,
+pasted text or *Try a sample*), settings, one status line, the chat, the live panels."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import gradio as gr
+
+from pqcache.serving.settings import ENCODINGS, TOO_LONG, LoadSettings
+from studio.common import ASSETS
+from studio.panels import WINDOWS, placeholders
+from studio.qa import SAMPLE, QATab
+from studio.status import NOTHING
+
+HOW_TO = (
+    "**How to use:** 1. attach a file or paste text (or press **Try a sample**); 2. press **Load document**: the "
+    "document is read once (about 10 s per 1,000 tokens on a CPU); 3. ask a question. Answers stream; the panels on "
+    "the right show what the cache did."
+)
+STARTING = "Loading: waiting for the model (requests before this one go first)..."
+RULE = "An attached file is loaded rather than pasted text (remove the file with its \u00d7 to load the text); the button says which."
+
+
+def sample_examples(document: str = SAMPLE) -> list[dict]:
+    """The example questions (and right answers) of a bundled document, from assets/examples.json."""
+    try:
+        with open(os.path.join(ASSETS, "examples.json"), encoding="utf-8") as f:
+            examples = json.load(f)
+    except (OSError, ValueError):
+        return []
+    for key, rows in examples.items():
+        if os.path.basename(key) == document:
+            return [r for r in rows if isinstance(r, dict) and r.get("question")]
+    return []
+
+
+def load_label(file, pasted):
+    """The load button names what it will load."""
+    if file:
+        return gr.update(value=f"Load {os.path.basename(file)}")
+    if pasted and pasted.strip():
+        return gr.update(value="Load the pasted text")
+    return gr.update(value="Load document")
+
+
+def build_qa_tab(tab: QATab, methods: list[str]):
+    d = LoadSettings()  # the form's defaults
+    gr.Markdown(HOW_TO, elem_id="how-to")
+    with gr.Row():
+        with gr.Column(scale=2):
+            sample = gr.Button(f"Try a sample ({SAMPLE}, about 1,000 tokens)", elem_id="sample")
+            file = gr.File(label="Document (.txt, .md, .pdf)", type="filepath", height=120)
+            pasted = gr.Textbox(label="...or paste text", lines=3, max_lines=8, elem_id="pasted")
+            gr.Markdown(RULE, elem_id="source-rule")
+            with gr.Accordion("Settings", open=False, elem_id="settings"):
+                method = gr.Dropdown(methods, value=d.method, label="Method")
+                with gr.Row():
+                    m = gr.Number(d.m, label="m (sub-spaces; 0: from the head size)", precision=0)
+                    bits = gr.Number(d.bits, label="bits (0: from the length)", precision=0)
+                    budget = gr.Number(d.budget, label="token budget (a fraction like 0.2, or a count like 1024)")
+                with gr.Row():
+                    n_init = gr.Number(d.n_init, label="sink tokens", precision=0)
+                    n_local = gr.Number(d.n_local, label="window (0: half the budget)", precision=0)
+                with gr.Row():
+                    policy = gr.Radio(["lfu", "lru"], value=d.policy, label="block-cache policy")
+                    capacity = gr.Number(d.capacity, label="block cache (tokens)", precision=0)
+                max_new = gr.Slider(1, 256, value=48, step=1, label="max new tokens", elem_id="max-new")
+                with gr.Row():
+                    encoding = gr.Dropdown(
+                        ENCODINGS, value=d.encoding, label="text encoding of the file", allow_custom_value=True
+                    )
+                    too_long = gr.Radio(TOO_LONG, value=d.too_long, label="a document longer than the model reads")
+            with gr.Row():
+                load = gr.Button("Load document", variant="secondary", elem_id="load")
+                unload = gr.Button("Unload", elem_id="unload")
+            status = gr.Markdown(NOTHING, elem_id="doc-status")
+            chat = gr.Chatbot(label="Answers", height=300, elem_id="chat")
+            question = gr.Textbox(label="Question", placeholder="Ask about the document", elem_id="question")
+            examples = sample_examples()
+            with gr.Column(visible=False, elem_id="sample-examples") as examples_box:
+                answers = ", ".join(sorted({str(e.get("answer")) for e in examples if e.get("answer")}))
+                gr.Examples(
+                    [[e["question"]] for e in examples] or [["What is the pass key?"]],
+                    inputs=[question],
+                    label=f"Questions about the sample (click one, then Ask; the right answer: {answers or '68422'})",
+                )
+            with gr.Row():
+                ask_btn = gr.Button("Ask", variant="primary", elem_id="ask")
+                stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+            gen_status = gr.Markdown("", elem_id="gen-status")
+        with gr.Column(scale=3):
+            with gr.Row():
+                layer = gr.Dropdown(
+                    [], label="Layer (power law)", info="the full-attention layers, once a document is loaded",
+                    allow_custom_value=True, elem_id="layer",
+                )
+                window = gr.Radio(list(WINDOWS), value="last 5 s", label="Timeline", elem_id="timeline-window")
+            empty = placeholders(tab.device)
+            with gr.Row():
+                p_power = gr.Plot(empty[0], label="attention power law", show_label=False, elem_id="panel-power")
+                p_recall = gr.Plot(empty[1], label="recall", show_label=False, elem_id="panel-recall")
+            with gr.Row():
+                p_hits = gr.Plot(empty[2], label="block-cache hit rate", show_label=False, elem_id="panel-hits")
+                p_memory = gr.Plot(empty[4], label="memory per tier", show_label=False, elem_id="panel-memory")
+            p_timeline = gr.Plot(empty[3], label="timeline", show_label=False, elem_id="panel-timeline")
+    plots = [p_power, p_recall, p_hits, p_timeline, p_memory]
+    model_work = tab.studio.model_work
+    settings = [method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long]
+    shown = [status, layer, *plots]
+    one_progress = dict(show_progress="minimal", show_progress_on=[status])  # the status line is the progress
+    for button in (load, sample):  # at once, in the browser: the status line says the load has begun
+        button.click(None, None, [status], js=f"() => {json.dumps(STARTING)}", queue=False, api_name=False)
+    load.click(tab.load_document, [file, pasted, *settings], shown, api_name="load_document", **one_progress, **model_work)
+    sample.click(tab.load_sample, settings, [*shown, examples_box], api_name="load_sample", **one_progress, **model_work)
+    for trigger in (file.change, pasted.change):
+        trigger(load_label, [file, pasted], [load], queue=False, show_progress="hidden", api_name=False)
+    asking = [question, chat, method, max_new, layer]
+    answer = dict(show_progress="minimal", show_progress_on=[gen_status], **model_work)
+    for trigger, api in ((ask_btn.click, "ask"), (question.submit, False)):
+        trigger(tab.ask, asking, [chat, gen_status, *plots, question], api_name=api, **answer)
+    # Stop needs no model slot (concurrency_limit=None): it is never stuck behind a load or an answer; its reply
+    # goes to a hidden box (the load or the answer says "stopping" on the page)
+    stopped = gr.Markdown(visible=False, elem_id="stop-reply")
+    stop_btn.click(tab.stop_generation, None, [stopped], api_name="stop", concurrency_limit=None, show_progress="hidden")
+    unload.click(tab.unload_document, None, shown, api_name="unload_document", concurrency_limit=None)
+    for control in (layer, window):
+        control.change(
+            tab.refresh_panels, [layer, window], plots, api_name=False, concurrency_limit=None, show_progress="hidden"
+        )
+    server = gr.Markdown(tab.server_line(), elem_id="server-status")
+    timer = gr.Timer(5.0)
+    # the timer never writes the status line itself (its request would flash on it every 5 s): a notice lands in
+    # a hidden box, whose change (only when the server freed this user's document) updates the line
+    notice = gr.Markdown(visible=False, elem_id="notice")
+    timer.tick(tab.pool_notice, None, [notice], api_name="notice", concurrency_limit=None, show_progress="hidden")
+    notice.change(lambda line: line, [notice], [status], api_name=False, queue=False, show_progress="hidden")
+    timer.tick(tab.server_line, None, [server], api_name=False, concurrency_limit=None, show_progress="hidden")
+    gr.api(tab.server_status, api_name="server_status", concurrency_limit=None)

@@ -1,0 +1,119 @@
+"""The document status line of the Q&A tab, from one source of truth per user: the document being loaded (its
+name and progress), the active document (the pool's session, named), and what the last load said (an error,
+a stop). Every handler that shows the status renders it here, so the line never contradicts itself."""
+
+from __future__ import annotations
+
+import os
+import threading
+from dataclasses import dataclass, field
+
+from pqcache import PQCacheError
+from studio.common import notices, sentence
+
+BAR = 12  # characters of the progress bar
+NOTHING = "No document loaded. Attach a file or paste text and press *Load document*, or press *Try a sample*."
+
+
+@dataclass
+class Loading:
+    """A load in progress: what the status line and a waiting question show."""
+
+    name: str
+    fraction: float = 0.0
+    step: str = "reading the document"
+    done: threading.Event = field(default_factory=threading.Event)
+    error: str | None = None  # how it ended, when it failed
+
+    def line(self) -> str:
+        filled = round(BAR * self.fraction)
+        bar = "\u25b0" * filled + "\u25b1" * (BAR - filled)
+        return f"Loading **{self.name}**: {self.step}  {bar} {100 * self.fraction:.0f} %"
+
+
+def document_name(file: str | None, pasted: str | None) -> str:
+    """How the status line names a document: the file's name, or the pasted text and its size."""
+    if file:
+        return os.path.basename(file)
+    return f"pasted text ({len((pasted or '').strip()):,} characters)"
+
+
+def loaded_line(session) -> str:
+    info = getattr(session, "info", None) or {}
+    layers = ", ".join(str(layer.layer_idx) for layer in session.cache.pq_layers) if session.cache else ""
+    cut = (
+        f" The document had {info['document_tokens']} tokens: its middle was cut to fit the model."
+        if session.truncated
+        else ""
+    )
+    figures = ""
+    if info:
+        figures = (
+            f" Prefill **{info['prefill_s']:.2f} s**; PQ on layers {layers}; device KV "
+            f"{info['device_kv_bytes'] / 2**20:.1f} MiB, host KV {info['host_kv_bytes'] / 2**20:.1f} MiB, "
+            f"PQ {info['pq_bytes'] / 2**10:.0f} KiB."
+        )
+    return (
+        f"Loaded **{session.n_tokens}** tokens of **{getattr(session, 'name', 'the document')}**, "
+        f"the active document (method {session.method}).{figures}{cut}{notices(info)}"
+    )
+
+
+class StatusBook:
+    """Per user: the load in progress and the last load's message; the active document is the pool's."""
+
+    def __init__(self, pool, slot: str = "qa"):
+        self.pool, self.slot = pool, slot
+        self.loading: dict[str, Loading] = {}
+        self.said: dict[str, str] = {}  # the last load's error or stop message, until the next load
+        self.lock = threading.Lock()
+
+    def start(self, user: str, name: str) -> Loading:
+        with self.lock:
+            self.said.pop(user, None)
+            self.loading[user] = load = Loading(name)
+        return load
+
+    def finish(self, user: str, message: str | None = None):
+        """The load ended: message (an error, a stop) is shown until the next load."""
+        with self.lock:
+            load = self.loading.pop(user, None)
+            if message:
+                self.said[user] = message
+        if load is not None:
+            load.error = message
+            load.done.set()
+
+    def forget(self, user: str):
+        self.finish(user)
+        with self.lock:
+            self.said.pop(user, None)
+
+    def active(self, user: str):
+        """(the active session or None, why the server freed it or None)."""
+        try:
+            return self.pool.session(user, self.slot), None
+        except PQCacheError as exc:  # evicted or reaped: say so
+            return None, sentence(str(exc))
+
+    def line(self, user: str) -> str:
+        """The status line: what the last load said, the load in progress, the active document."""
+        with self.lock:
+            said, load = self.said.get(user), self.loading.get(user)
+        session, freed = self.active(user)
+        parts = [said] if said else []
+        if load is not None:
+            parts.append(load.line())
+        if freed:
+            parts.append(f"**Notice:** {freed}")
+        if session is not None and session.cache is not None and load is None:
+            if said:
+                name = getattr(session, "name", "the document")
+                parts.append(f"Still active: **{name}** ({session.n_tokens} tokens); questions go to it.")
+            else:
+                parts.append(loaded_line(session))
+        elif load is None and not said and not freed:
+            parts.append(NOTHING)
+        elif load is None and said and not said.startswith("Stopped"):
+            parts.append("No document is loaded.")
+        return "\n\n".join(parts)

@@ -1,0 +1,156 @@
+"""The Document Q&A tab's handlers in-process on a tiny model (no server): one status line with one source of
+truth, a failed load that keeps (and names) the active document, a question asked while loading, the method
+named in the chat, Stop when idle, panels redrawn only when their data changed."""
+
+import copy
+import threading
+import types
+
+import gradio as gr
+import plotly.graph_objects as go
+import pytest
+
+from pqcache.serving.pool import SessionPool
+from pqcache.serving.session import DocumentSession
+from pqcache.serving.settings import LoadSettings
+
+from .conftest import WordTokenizer, tiny_model
+
+ANN = types.SimpleNamespace(session_hash="ann")
+TEXT = " ".join(f"w{i % 41}" for i in range(300))
+SKIP = gr.skip()
+
+
+@pytest.fixture
+def tab():
+    from studio import Studio
+    from studio.qa import QATab
+
+    studio = Studio(tiny_model("llama"), WordTokenizer(), SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=60)
+    yield QATab(studio)
+    studio.pool.close()
+
+
+def outputs(gen):
+    """Every update a handler yields, as the page receives it (each yield is sent before the next one)."""
+    return [copy.deepcopy(out) for out in gen]
+
+
+def load(tab, file=None, text=TEXT):
+    return outputs(tab.load_document(file, text, *LoadSettings().values(), request=ANN))
+
+
+def ask(tab, question="what is w3", max_new=4, method="pqcache"):
+    return outputs(tab.ask(question, [], method, max_new, None, request=ANN))
+
+
+def test_load_shows_one_progress_line_then_names_the_active_document(tab):
+    outs = load(tab)
+    lines = [out[0] for out in outs]
+    assert lines[0].startswith("Loading **pasted text (") and "\u25b1" in lines[0]  # the progress bar
+    assert all(line.startswith("Loading **pasted text") for line in lines[:-1])  # never "No document loaded"
+    assert lines[-1].startswith("Loaded **300** tokens of **pasted text (") and "the active document" in lines[-1]
+    assert all(out[1:] == (SKIP,) * 6 for out in outs[:-1])  # panels and layers untouched while loading
+    assert outs[-1][1]["choices"] == ["0", "1", "2"] and outs[-1][1]["value"] == "0"
+    assert all(isinstance(fig, go.Figure) for fig in outs[-1][2:])
+
+
+def test_a_failed_load_keeps_and_names_the_active_document(tab, tmp_path):
+    load(tab)
+    (tmp_path / "photo.txt").write_bytes(bytes(range(256)) * 10)
+    final = load(tab, file=str(tmp_path / "photo.txt"))[-1]
+    assert final[0].startswith("**Error:** photo.txt looks like a binary file")
+    assert "Still active: **pasted text (" in final[0] and "(300 tokens)" in final[0]
+    assert final[1:] == (SKIP,) * 6  # the layer choice and the panels stay as they were
+    assert ask(tab)[-1][1].startswith("pqcache: 4 tokens")  # the active document still answers
+    status, layers, *_ = tab.unload_document(request=ANN)
+    assert status.startswith("No document loaded") and layers["choices"] == []
+
+
+def test_a_failed_load_without_a_document_says_none_is_loaded(tab):
+    final = load(tab, text="   ")[-1]
+    assert final[0] == "**Error:** the document is empty\n\nNo document is loaded."
+
+
+def test_a_question_asked_while_loading_waits_for_the_document(tab, monkeypatch):
+    release, real_load = threading.Event(), DocumentSession.load
+
+    def slow_load(self, *args, **kwargs):
+        release.wait()  # the prefill starts when the test says so
+        return real_load(self, *args, **kwargs)
+
+    monkeypatch.setattr(DocumentSession, "load", slow_load)
+    loading = tab.load_document(None, TEXT, *LoadSettings().values(), request=ANN)
+    assert next(loading)[0].startswith("Loading **pasted text")
+    asking = tab.ask("what is w3", [], "pqcache", 4, None, request=ANN)
+    chat, status, *panels = next(asking)
+    assert chat[0] == {"role": "user", "content": "what is w3"}  # the question stays in the chat
+    assert chat[1]["content"].startswith("*Waiting for **pasted text (") and status == "waiting for the document"
+    release.set()
+    assert list(loading)[-1][0].startswith("Loaded **300** tokens")
+    chat, status, *_ = outputs(asking)[-1]
+    assert [m["role"] for m in chat] == ["user", "assistant"]
+    assert chat[1]["content"].split("\n\n")[-1].startswith("*pqcache: 4 tokens in ")
+    assert status.startswith("pqcache: 4 tokens")
+
+
+def test_answers_name_the_method_and_questions_without_a_document_stay_in_the_chat(tab):
+    chat = ask(tab)[-1][0]
+    assert chat == [{"role": "user", "content": "what is w3"}, {"role": "assistant", "content": "Load a document first."}]
+    load(tab)
+    outs = ask(tab, max_new=3, method="snapkv")
+    assert outs[0][0][-1]["content"] == "*snapkv is reading the question...*"
+    final = outs[-1][0][-1]["content"]
+    assert final.split("\n\n")[-1].startswith("*snapkv: 3 tokens in ") and outs[-1][1].startswith("snapkv: 3 tokens")
+
+
+def test_stop_when_idle_keeps_the_last_timing_line(tab):
+    load(tab)
+    ask(tab)
+    assert tab.stop_generation(request=ANN) == "nothing to stop"  # and the timing line is not touched
+    assert not tab.pool.entry("ann").stop.is_set()
+
+
+def test_panels_are_redrawn_only_when_their_data_changed(tab):
+    from pqcache import Instrumentation
+    from studio.panels import PanelFeed
+
+    load(tab)
+    session = tab.pool.session("ann")
+    feed = PanelFeed("cpu")
+    feed.show(session)
+    first = feed.figures()
+    assert all(isinstance(f, go.Figure) for f in first)
+    assert feed.figures() == (SKIP,) * 5  # nothing changed: nothing sent
+    feed.show(window="whole run")
+    again = feed.figures()
+    assert again[:3] == (SKIP,) * 3 and isinstance(again[3], go.Figure) and again[4] == SKIP  # the timeline only
+    assert "whole run" in again[3].layout.title.text and "CPU" in again[3].layout.title.text
+    obs = Instrumentation(timeline=True, attention_every=1, recall_every=1)
+    feed.show(session, obs, "full")
+    session.ask("what is w3", method="full", max_new_tokens=3, observer=obs)
+    figs = feed.figures()
+    for fig in figs[1:3]:  # recall and hit rate do not apply to full attention, and say so
+        assert "Does not apply to full attention" in fig.layout.annotations[0].text
+    assert isinstance(figs[0], go.Figure) and figs[0].data  # the power law does
+    assert feed.draws["memory"] == 2  # drawn for the document, then for the answer's statistics only
+
+
+def test_while_tokens_stream_one_panel_is_redrawn_at_a_time(tab):
+    from pqcache import Instrumentation
+    from studio.panels import PanelFeed
+
+    load(tab)
+    session, feed = tab.pool.session("ann"), PanelFeed("cpu")
+    feed.show(session)
+    feed.figures()
+    obs = Instrumentation(timeline=True, attention_every=1, recall_every=1)
+    feed.show(session, obs, "pqcache")
+    session.ask("what is w3", max_new_tokens=3, observer=obs)
+    drawn = []
+    for _ in range(5):
+        figs = feed.figures(limit=1)
+        assert sum(isinstance(f, go.Figure) for f in figs) <= 1
+        drawn += [i for i, f in enumerate(figs) if isinstance(f, go.Figure)]
+    assert sorted(drawn) == sorted(set(drawn)) and len(drawn) >= 4  # each changed panel once, in turn
+    assert feed.figures() == (SKIP,) * 5

@@ -1,0 +1,50 @@
+"""What every figure shares: a fixed height, a constant `uirevision` (live updates keep the user's zoom and do
+not flicker), placeholders that say what a panel will show, whole-number step axes."""
+
+from __future__ import annotations
+
+import math
+
+import plotly.graph_objects as go
+
+HEIGHT = 300
+
+
+def layout(fig: go.Figure, title: str, **kw) -> go.Figure:
+    kw.setdefault("height", HEIGHT)
+    kw.setdefault("margin", dict(l=50, r=10, t=40, b=40))
+    fig.update_layout(title=dict(text=title, font=dict(size=14)), uirevision="keep", template="plotly_white", **kw)
+    return fig
+
+
+def empty(title: str, note: str, height: int = HEIGHT) -> go.Figure:
+    """A placeholder: the title, and in the middle what the panel shows or why it has nothing to show."""
+    fig = layout(go.Figure(), title, height=height)
+    fig.add_annotation(
+        text=note.replace("\n", "<br>"),
+        showarrow=False,
+        x=0.5,
+        y=0.5,
+        xref="paper",
+        yref="paper",
+        font=dict(color="#777", size=12),
+    )
+    fig.update_xaxes(visible=False)
+    fig.update_yaxes(visible=False)
+    return fig
+
+
+def step_axis(fig: go.Figure, steps, title: str = "decode step") -> go.Figure:
+    """An x axis of decode steps with whole-number ticks only (no 0.5, 1.5)."""
+    steps = list(steps) or [0]
+    span = max(steps) - min(steps)
+    fig.update_xaxes(title=title, tick0=0, dtick=max(1, math.ceil(span / 8)), tickformat="d")
+    return fig
+
+
+def log_range(values, pad: float = 1.3) -> list[float]:
+    """The log10 range [lo, hi] of a log axis that covers `values` (positive ones) with some room."""
+    positive = [v for v in values if v and v > 0]
+    if not positive:
+        return [0.0, 1.0]
+    return [math.log10(min(positive) / pad), math.log10(max(positive) * pad)]
