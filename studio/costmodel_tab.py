@@ -45,7 +45,11 @@ def cost(model, context, batch, gpu, link, budget):
     full_need = weights + e["full_kv_gib"]
     pq_need = weights + e["pqcache_device_gib"] + e["pq_gib"]
     rows = [
-        ["token budget", budget_words(budget, context, n_init + k + n_local), f"{n_init} sinks + {k} top-k + {n_local} window"],
+        [
+            "token budget",
+            budget_words(budget, context, n_init + k + n_local),
+            f"{n_init} sinks + {k} top-k + {n_local} window",
+        ],
         ["weights (GiB)", f"{weights:.1f}", fits(weights, gpu_gib)],
         ["device KV, full attention (GiB)", f"{e['full_kv_gib']:.2f}", f"weights + KV: {fits(full_need, gpu_gib)}"],
         [
@@ -55,11 +59,15 @@ def cost(model, context, batch, gpu, link, budget):
         ],
         ["PQ codes + centroids (GiB)", f"{e['pq_gib']:.3f}", "counted in the PQCache row"],
         ["host link per output token (MiB)", f"{e['link_mib_per_token']:.1f}", ""],
-        ["attention per token: full / PQCache (ms)", f"{e['full_attention_ms']:.2f} / {e['pqcache_attention_ms']:.2f}", ""],
+        [
+            "attention per token: full / PQCache (ms)",
+            f"{e['full_attention_ms']:.2f} / {e['pqcache_attention_ms']:.2f}",
+            "",
+        ],
         ["prefill (s)", f"{e['prefill_s']:.2f}", ""],
         ["K-Means iterations hidden behind prefill (T_max)", str(e["t_max"]), ""],
     ]
-    return rows, figures.cost_curves(costmodel.curve(model, batch, gpu, link, config))
+    return rows, figures.cost_curves(costmodel.curve(model, batch, gpu, link, config), context)
 
 
 def intro() -> str:
@@ -83,7 +91,7 @@ def build_cost_tab():
         c_batch = gr.Number(batch, label="batch", precision=0)
         c_budget = gr.Number(budget, label="token budget: a fraction of the context (0.2) or a count of tokens (2048)")
     c_table = gr.Dataframe(headers=HEADERS, interactive=False, elem_id="cost-table")
-    c_plot = gr.Plot(elem_id="cost-plot")
+    c_plot = gr.Plot(label="memory vs context", show_label=False, elem_id="cost-plot")
     inputs = [c_model, c_ctx, c_batch, c_gpu, c_link, c_budget]
     gr.on(
         [c.change for c in inputs],

@@ -37,6 +37,23 @@ def merged_data(session: DocumentSession | None, obs: Instrumentation | None) ->
     return data
 
 
+def block_cache_off(session) -> str | None:
+    """Why the document has no device block cache, or None. The device window keeps at most a quarter of the
+    document in it, in whole blocks (layer/window.py)."""
+    if session is None or session.cache is None:
+        return None
+    cfg = session.config
+    capacity = min(cfg.block_cache_tokens, session.n_tokens // 4 // cfg.block_size * cfg.block_size)
+    if capacity >= cfg.block_size:
+        return None
+    if cfg.block_cache_tokens < cfg.block_size:
+        return "No block cache: its capacity is set\nto less than one block (Settings)."
+    return (
+        f"No block cache for this document: it holds\nat most a quarter of the {session.n_tokens} tokens,"
+        f"\nless than one {cfg.block_size}-token block."
+    )
+
+
 def stats_of(session) -> dict | None:
     if session is None or session.cache is None:
         return None
@@ -90,12 +107,15 @@ class PanelFeed:
                 "recall": (tag, method == "full", len(data["recall"])),
                 "hits": (tag, method == "full", len(data["blocks"])),
                 "timeline": (tag, self.window, len(data["events"])),
-                "memory": (id(session), tuple(sorted((k, v) for k, v in (stats or {}).items() if k.endswith("_bytes")))),
+                "memory": (
+                    id(session),
+                    tuple(sorted((k, v) for k, v in (stats or {}).items() if k.endswith("_bytes"))),
+                ),
             }
             draw = {
                 "power": lambda: figures.power_law(data, layer),
                 "recall": lambda: figures.recall(data, method),
-                "hits": lambda: figures.hit_rate(data, method),
+                "hits": lambda: figures.hit_rate(data, method, block_cache_off(session)),
                 "timeline": lambda: figures.timeline(data, self.device, self.window),
                 "memory": lambda: figures.memory(stats),
             }

@@ -63,7 +63,20 @@ class QATab:
 
     # ---- loading ------------------------------------------------------------------------------------------
     def load_document(
-        self, file, pasted, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, request: gr.Request
+        self,
+        file,
+        pasted,
+        method,
+        m,
+        bits,
+        budget,
+        n_init,
+        n_local,
+        policy,
+        capacity,
+        encoding,
+        too_long,
+        request: gr.Request,
     ):
         """Prefill the document once (an attached file, else the pasted text); later questions reuse it. Yields
         the status line (with the load's progress), the layer choices and the panels."""
@@ -71,7 +84,9 @@ class QATab:
         name = document_name(file, pasted)
         yield from self._load(user_of(request), name, lambda enc: read_document(file, pasted, encoding=enc), settings)
 
-    def load_sample(self, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, request: gr.Request):
+    def load_sample(
+        self, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, request: gr.Request
+    ):
         """The bundled sample document, with the load form's settings; its example questions become visible."""
         settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, "utf-8", too_long)
         path = os.path.join(ASSETS, SAMPLE)
@@ -79,7 +94,8 @@ class QATab:
             yield *out, gr.update(visible=True)
 
     def _load(self, user: str, name: str, read, settings: LoadSettings):
-        studio, feed, skip = self.studio, self.feed(user), (gr.skip(),) * 6  # the layer choices and 5 panels
+        studio, skip = self.studio, (gr.skip(),) * 6  # the layer choices and 5 panels
+        self.feed(user)
         load = self.status.start(user, name)
         updates: queue.Queue = queue.Queue()
         result: dict = {}
@@ -97,7 +113,11 @@ class QATab:
                         config = settings.to_config(pq_timeout_s=studio.pq_timeout_s)
                         text = read(settings.text_encoding)
                         session = DocumentSession(
-                            studio.model, studio.tokenizer, config, method=settings.method, max_tokens=studio.max_document_tokens
+                            studio.model,
+                            studio.tokenizer,
+                            config,
+                            method=settings.method,
+                            max_tokens=studio.max_document_tokens,
                         )
                         session.name = name
                         progress(0.0, "tokenizing")
@@ -181,7 +201,10 @@ class QATab:
                 chat.append({"role": "assistant", "content": ""})
                 shown = None
                 while not load.done.is_set():
-                    text = f"*Waiting for **{load.name}** to finish loading ({100 * load.fraction:.0f} %); then this question goes to it.*"
+                    text = (
+                        f"*Waiting for **{load.name}** to finish loading ({100 * load.fraction:.0f} %); "
+                        "then this question goes to it.*"
+                    )
                     if text != shown:
                         chat[-1]["content"] = shown = text
                         yield chat, "waiting for the document", *skip
@@ -257,7 +280,9 @@ class QATab:
         n, seconds = len(answer.tokens), answer.seconds
         stopped = " (stopped)" if answer.stopped else ""
         why = ENDINGS.get(getattr(answer, "ended", ""), "")
-        chat[-1]["content"] = f"{literal(answer.text)}\n\n*{method}: {n} tokens in {seconds:.1f} s{', ' + why if why else ''}*"
+        chat[-1]["content"] = (
+            f"{literal(answer.text)}\n\n*{method}: {n} tokens in {seconds:.1f} s{', ' + why if why else ''}*"
+        )
         status = f"{method}: {n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s){stopped}"
         yield chat, status + notices(session.last_stats), *feed.figures()
 

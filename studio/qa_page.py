@@ -20,7 +20,10 @@ HOW_TO = (
     "the right show what the cache did."
 )
 STARTING = "Loading: waiting for the model (requests before this one go first)..."
-RULE = "An attached file is loaded rather than pasted text (remove the file with its \u00d7 to load the text); the button says which."
+RULE = (
+    "An attached file is loaded rather than pasted text (remove the file with its \u00d7 to load the text); "
+    "the button says which."
+)
 
 
 def sample_examples(document: str = SAMPLE) -> list[dict]:
@@ -93,8 +96,11 @@ def build_qa_tab(tab: QATab, methods: list[str]):
         with gr.Column(scale=3):
             with gr.Row():
                 layer = gr.Dropdown(
-                    [], label="Layer (power law)", info="the full-attention layers, once a document is loaded",
-                    allow_custom_value=True, elem_id="layer",
+                    [],
+                    label="Layer (power law)",
+                    info="the full-attention layers, once a document is loaded",
+                    allow_custom_value=True,
+                    elem_id="layer",
                 )
                 window = gr.Radio(list(WINDOWS), value="last 5 s", label="Timeline", elem_id="timeline-window")
             empty = placeholders(tab.device)
@@ -112,8 +118,12 @@ def build_qa_tab(tab: QATab, methods: list[str]):
     one_progress = dict(show_progress="minimal", show_progress_on=[status])  # the status line is the progress
     for button in (load, sample):  # at once, in the browser: the status line says the load has begun
         button.click(None, None, [status], js=f"() => {json.dumps(STARTING)}", queue=False, api_name=False)
-    load.click(tab.load_document, [file, pasted, *settings], shown, api_name="load_document", **one_progress, **model_work)
-    sample.click(tab.load_sample, settings, [*shown, examples_box], api_name="load_sample", **one_progress, **model_work)
+    load.click(
+        tab.load_document, [file, pasted, *settings], shown, api_name="load_document", **one_progress, **model_work
+    )
+    sample.click(
+        tab.load_sample, settings, [*shown, examples_box], api_name="load_sample", **one_progress, **model_work
+    )
     for trigger in (file.change, pasted.change):
         trigger(load_label, [file, pasted], [load], queue=False, show_progress="hidden", api_name=False)
     asking = [question, chat, method, max_new, layer]
@@ -123,7 +133,9 @@ def build_qa_tab(tab: QATab, methods: list[str]):
     # Stop needs no model slot (concurrency_limit=None): it is never stuck behind a load or an answer; its reply
     # goes to a hidden box (the load or the answer says "stopping" on the page)
     stopped = gr.Markdown(visible=False, elem_id="stop-reply")
-    stop_btn.click(tab.stop_generation, None, [stopped], api_name="stop", concurrency_limit=None, show_progress="hidden")
+    stop_btn.click(
+        tab.stop_generation, None, [stopped], api_name="stop", concurrency_limit=None, show_progress="hidden"
+    )
     unload.click(tab.unload_document, None, shown, api_name="unload_document", concurrency_limit=None)
     for control in (layer, window):
         control.change(

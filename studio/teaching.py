@@ -102,7 +102,9 @@ class TeachingTab:
             progress(0.5 + 0.5 * i / len(methods), desc=f"{method} answering")
             obs = Instrumentation(timeline=False, selections=True)
             # PQCache's answer is also the walkthrough's run: the recorder is PQCache, it only reads
-            answer = session.ask(question, method=recorder if method == "pqcache" else method, max_new_tokens=8, observer=obs)
+            answer = session.ask(
+                question, method=recorder if method == "pqcache" else method, max_new_tokens=8, observer=obs
+            )
             layer0 = min((r["layer"] for r in obs.selected), default=None)
             steps = [r for r in obs.selected if r["layer"] == layer0]
             # the step that reads the first generated token: the question before it may read the whole document
@@ -111,11 +113,16 @@ class TeachingTab:
             positions = sorted({p for head in first["positions"][0] for p in head}) if first else []
             selections[method] = [p for p in positions if p < session.n_tokens]
             correct = "yes" if right.lower() in answer.text.lower() else "no"
-            rows.append([method, answer.text.strip(), correct, len(selections[method])])
+            shown = answer.text.strip().split("\n")[0]  # the answer's line (a cut-off next frame is not shown)
+            rows.append([method, shown, correct, len(selections[method])])
         if recorder.snap is None:  # PQCache was not among the methods: a short answer of its own for the walkthrough
             progress(0.95, desc="recording a PQCache step for the walkthrough")
             session.ask(question, method=recorder, max_new_tokens=2)
-        focus = list(range(answer_pos, min(answer_pos + 4, end_pos or answer_pos + 4))) if answer_pos is not None else []
+        # the answer's tokens first (the lookup table boxes the first), then the words before it in the fact
+        focus = []
+        if answer_pos is not None:
+            ahead = range(answer_pos, min(end_pos or answer_pos + 4, answer_pos + 4))
+            focus = [*ahead, *range(max(fact_pos, answer_pos - 4), answer_pos)]
         walk = recorder.describe(focus)
         labels = {p: repr(tok.decode([session.doc_ids[p]])) for p in focus if p < len(session.doc_ids)}
         # the page keeps what it shows, not the session: the pool alone holds (and may free) the cache
@@ -186,8 +193,8 @@ WALKTHROUGH = {
         "key is cut into m sub-spaces, each with 2^bits centroids, and a token is kept as m one-byte codes, the "
         "numbers of its nearest centroids.",
         "Here, layer {layer}: keys of {D} numbers, m = {m} sub-spaces of {d}, 2^{bits} = {C} centroids each, "
-        "{n_tokens} tokens coded. The picture: sub-space 1's centroids and the sub-keys of the answer's tokens, "
-        "each joined to the centroid its code names.",
+        "{n_tokens} tokens coded. The picture: one sub-space's centroids and the sub-keys of the fact's tokens, "
+        "each joined to the centroid its code names (the number after the arrow).",
         lambda w, s: pictures.codebook(w, s.get("labels")),
     ),
     "2. Lookup table": (

@@ -26,7 +26,7 @@ def build_teaching_tab(tab: TeachingTab, methods: list[str]):
     t_table = gr.Dataframe(
         headers=["method", "answer", "right?", "tokens attended"], interactive=False, elem_id="teaching-table"
     )
-    t_strip = gr.Plot(pictures.heat_strip({}, 1), elem_id="teaching-strip")
+    t_strip = gr.Plot(pictures.heat_strip({}, 1), label="token spotlight", show_label=False, elem_id="teaching-strip")
     t_pick = gr.Dropdown(methods, value="pqcache", label="Highlight the tokens this method attended to")
     t_text = gr.HighlightedText(
         label="Around the fact",
@@ -36,11 +36,13 @@ def build_teaching_tab(tab: TeachingTab, methods: list[str]):
         color_map=SPOTLIGHT_COLORS,
         elem_id="teaching-spotlight",
     )
-    gr.Markdown("### Walkthrough of one decode step\nPQCache's first generated token, on the first full-attention layer.")
+    gr.Markdown(
+        "### Walkthrough of one decode step\nPQCache's first generated token, on the first full-attention layer."
+    )
     w_step = gr.Radio(list(WALKTHROUGH), value=list(WALKTHROUGH)[0], label="Step", elem_id="walk-step")
     first = tab.walkthrough(list(WALKTHROUGH)[0], None)
     w_text = gr.Markdown(first[0], elem_id="walk-text")
-    w_plot = gr.Plot(elem_id="walk-plot")
+    w_plot = gr.Plot(label="this step, from the run", show_label=False, elem_id="walk-plot")
     t_fact.change(question_line, [t_fact], [t_question], queue=False, show_progress="hidden", api_name=False)
     t_pick.change(tab.spotlight_text, [t_state, t_pick], [t_text], api_name=False, show_progress="hidden")
     w_step.change(tab.walkthrough, [w_step, t_state], [w_text, w_plot], api_name=False, show_progress="hidden")

@@ -53,6 +53,8 @@ def test_load_shows_one_progress_line_then_names_the_active_document(tab):
     assert all(out[1:] == (SKIP,) * 6 for out in outs[:-1])  # panels and layers untouched while loading
     assert outs[-1][1]["choices"] == ["0", "1", "2"] and outs[-1][1]["value"] == "0"
     assert all(isinstance(fig, go.Figure) for fig in outs[-1][2:])
+    hits = outs[-1][4].layout.annotations[0].text  # 300 tokens: a quarter is under one 128-token block
+    assert hits.startswith("No block cache for this document")
 
 
 def test_a_failed_load_keeps_and_names_the_active_document(tab, tmp_path):
@@ -96,7 +98,10 @@ def test_a_question_asked_while_loading_waits_for_the_document(tab, monkeypatch)
 
 def test_answers_name_the_method_and_questions_without_a_document_stay_in_the_chat(tab):
     chat = ask(tab)[-1][0]
-    assert chat == [{"role": "user", "content": "what is w3"}, {"role": "assistant", "content": "Load a document first."}]
+    assert chat == [
+        {"role": "user", "content": "what is w3"},
+        {"role": "assistant", "content": "Load a document first."},
+    ]
     load(tab)
     outs = ask(tab, max_new=3, method="snapkv")
     assert outs[0][0][-1]["content"] == "*snapkv is reading the question...*"

@@ -130,6 +130,8 @@ def test_cost_model_curve_and_estimate():
     values = [y for tr in fig.data for y in tr.y]
     assert 10**lo <= min(values) and max(values) <= 10**hi and hi - lo < 3
     assert [tr.name for tr in fig.data][-1] == "GPU memory (24 GiB)" and set(fig.data[-1].y) == {24}
+    marked = figures.cost_curves(rows, 131072)
+    assert marked.data[-1].name == "this context (131,072 tokens)" and list(marked.data[-1].x) == [131072] * 2
 
 
 def test_recall_grid_lines_per_setting():

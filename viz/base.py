@@ -38,7 +38,9 @@ def step_axis(fig: go.Figure, steps, title: str = "decode step") -> go.Figure:
     """An x axis of decode steps with whole-number ticks only (no 0.5, 1.5)."""
     steps = list(steps) or [0]
     span = max(steps) - min(steps)
-    fig.update_xaxes(title=title, tick0=0, dtick=max(1, math.ceil(span / 8)), tickformat="d")
+    nice = [m * 10**e for e in range(0, 7) for m in (1, 2, 5)]  # 1, 2, 5, 10, 20, 50, ...
+    dtick = next(d for d in nice if d >= span / 8)
+    fig.update_xaxes(title=title, tick0=0, dtick=dtick, tickformat="d")
     return fig
 
 

@@ -50,7 +50,8 @@ def power_law(data: dict, layer: int | None = None) -> go.Figure:
     if not rows:
         return empty(
             title,
-            "How attention concentrates: a few tokens\ncarry most of it (rank vs weight, log-log).\nDrawn while an answer streams.",
+            "How attention concentrates: a few tokens\ncarry most of it (rank vs weight, log-log).\n"
+            "Drawn while an answer streams.",
         )
     fig = go.Figure()
     for r in rows[-6:]:  # the latest sampled steps
@@ -86,16 +87,20 @@ def recall(data: dict, method: str | None = None) -> go.Figure:
     return layout(fig, title)
 
 
-def hit_rate(data: dict, method: str | None = None) -> go.Figure:
-    """Block-cache hit rate per layer (per step) and cumulative over all layers."""
+def hit_rate(data: dict, method: str | None = None, off: str | None = None) -> go.Figure:
+    """Block-cache hit rate per layer (per step) and cumulative over all layers; `off`: why this document has no
+    block cache (the panel says so instead of drawing zeros)."""
     title = "Block-cache hit rate" + (f": {method}" if method else "")
     if method == "full":
         return empty(title, NOT_FOR_FULL)
+    if off:
+        return empty(title, off)
     rows = data.get("blocks", [])
     if not rows:
         return empty(
             title,
-            "Share of the fetched tokens found in the\ndevice block cache, per layer and in all.\nDrawn while an answer streams.",
+            "Share of the fetched tokens found in the\ndevice block cache, per layer and in all.\n"
+            "Drawn while an answer streams.",
         )
     fig = go.Figure()
     for layer in sorted({r["layer"] for r in rows}):
@@ -145,7 +150,8 @@ def timeline(data: dict, device: str = "cpu", window_s: float | None = None) -> 
     if not events:
         return empty(
             title,
-            "What ran where and when: compute, background K-Means\nand copies between the tiers. Drawn when a document loads.",
+            "What ran where and when: compute, background K-Means\nand copies between the tiers. "
+            "Drawn when a document loads.",
         )
     t_end = max(e["end"] for e in events)
     t_start = t_end - window_s if window_s else min(e["start"] for e in events)
@@ -203,9 +209,9 @@ def memory(stats: dict | None) -> go.Figure:
     return layout(fig, "Memory per tier")
 
 
-def cost_curves(rows: list[dict]) -> go.Figure:
+def cost_curves(rows: list[dict], context: int | None = None) -> go.Figure:
     """GPU memory against context length (cost model): weights + full KV, weights + PQCache's device tier, and
-    the GPU's memory, on a log axis over the data's range."""
+    the GPU's memory, on a log axis over the data's range; `context`: the one asked about, marked."""
     title = "GPU memory vs context length (cost model, not a measurement)"
     if not rows:
         return empty(title, "no rows")
@@ -229,8 +235,19 @@ def cost_curves(rows: list[dict]) -> go.Figure:
             )
         )
         values.append(gpu)
+    y_range = log_range(values)
+    if context:
+        fig.add_trace(
+            go.Scatter(
+                x=[context, context],
+                y=[10 ** y_range[0], 10 ** y_range[1]],
+                mode="lines",
+                name=f"this context ({context:,} tokens)",
+                line=dict(color="#888", dash="dot"),
+            )
+        )
     fig.update_xaxes(type="log", title="context length (tokens)")
-    fig.update_yaxes(type="log", title="GiB", range=log_range(values))
+    fig.update_yaxes(type="log", title="GiB", range=y_range)
     return layout(fig, title, legend=dict(orientation="h", y=-0.25), margin=dict(l=50, r=10, t=40, b=90), height=360)
 
 

@@ -59,10 +59,11 @@ def heat_strip(
 
 
 def codebook(w: dict, labels: dict | None = None) -> go.Figure:
-    """Step 1: sub-space 1's 2^bits centroids (2-D projection) and a few tokens' sub-keys, each joined to the
+    """Step 1: one sub-space's 2^bits centroids (2-D projection) and a few tokens' sub-keys, each joined to the
     centroid its code names."""
     labels = labels or {}
     cb = w["codebook"]
+    j = cb.get("subspace", 0)
     fig = go.Figure()
     xs, ys = zip(*cb["centroids"]) if cb["centroids"] else ((), ())
     fig.add_trace(
@@ -87,14 +88,15 @@ def codebook(w: dict, labels: dict | None = None) -> go.Figure:
             y=[t["xy"][1] for t in cb["tokens"]],
             mode="markers+text",
             name="sub-keys of tokens of the fact",
-            text=[f"{labels.get(t['pos'], t['pos'])!s} -> {t['codes'][0]}" for t in cb["tokens"]],
+            text=[f"{labels.get(t['pos'], t['pos'])!s} -> {t['codes'][j]}" for t in cb["tokens"]],
             textposition="top center",
             marker=dict(color="#E45756", size=10, symbol="diamond"),
         )
     )
     fig.update_xaxes(title="main axis 1 of the codebook", zeroline=False)
     fig.update_yaxes(title="main axis 2", zeroline=False)
-    return layout(fig, f"1. Codebook of sub-space 1 (layer {w['layer']}) and a few tokens' codes", height=WALK_HEIGHT)
+    title = f"1. Codebook of sub-space {j + 1} of {w['m']} (layer {w['layer']}) and the fact's tokens' codes"
+    return layout(fig, title, height=WALK_HEIGHT)
 
 
 def lookup_table(w: dict, label: str = "") -> go.Figure:
@@ -224,25 +226,28 @@ def fetch(w: dict) -> go.Figure:
 
 
 def attention(w: dict, fact: int | None = None) -> go.Figure:
-    """Step 5: the attention weights of the step (mean over the query heads) over the tokens it attended."""
+    """Step 5: the attention weights of the step (mean over the query heads) over the tokens it attended, on a log
+    axis (the first token alone often takes most of it: an attention sink)."""
     a = w["attention"]
     fig = go.Figure()
     for kind, color in KIND_COLORS.items():
         idx = [i for i, k in enumerate(a["kind"]) if k == kind]
         if idx:
             fig.add_trace(
-                go.Bar(
+                go.Scatter(
                     x=[a["pos"][i] for i in idx],
                     y=[a["weight"][i] for i in idx],
+                    mode="markers",
                     name=kind,
-                    marker_color=color,
-                    width=3,
+                    marker=dict(color=color, size=6),
+                    hovertemplate="position %{x}: %{y:.2e}<extra>" + kind + "</extra>",
                 )
             )
-    top = max(a["weight"], default=1)
-    _fact_line(fig, fact, 0, top)
+    positive = [v for v in a["weight"] if v > 0]
+    lo, hi = (min(positive), max(positive)) if positive else (1e-6, 1)
+    _fact_line(fig, fact, lo, hi)
     fig.update_xaxes(title="position in the context (document + question)")
-    fig.update_yaxes(title="attention weight")
+    fig.update_yaxes(title="attention weight", type="log")
     n = len(a["pos"])
     return layout(
         fig,

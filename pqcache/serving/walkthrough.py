@@ -7,14 +7,15 @@ first generated token's step: the question before it attends exactly, PQCacheCon
 the query, the codebook and codes, the PQ candidates and the final top-k, the block cache's map before the
 fetch. `StepRecorder.describe(focus)` turns that into the pictures' data:
 
-  codebook   sub-space 1's centroids and a few tokens' sub-keys, projected to 2-D, with their codes
+  codebook   one sub-space's centroids and a few tokens' sub-keys, projected to 2-D, with their codes
   table      the lookup table q . centroids (m x 2^bits) of the group's first query head
   search     approximate against exact scores of every candidate, the PQ stage's and the top-k's thresholds
   fetch      per block of the document: attended tokens already on the device (sinks, window, block cache)
              and those fetched from host memory
   attention  the step's attention weights over the tokens it attended (sinks + top-k + window + itself)
 
-It reads the layer's parts (the device window's block map) between the search and the fetch, and the new\ntoken's key from the host tier after the step; nothing is written.
+It reads the layer's parts (the device window's block map) between the search and the fetch, and the new
+token's key from the host tier after the step; nothing is written.
 """
 
 from __future__ import annotations
@@ -102,11 +103,13 @@ def describe(snap: dict, focus: list[int], head: int = 0) -> dict:
     cents, codes = snap["centroids"][head], snap["codes"][head]  # (m, C, d), (m, S)
     m, C, d = cents.shape
     focus = [p for p in focus if 0 <= p < S][:8]
-    # 1. codebook of sub-space 1, and the focus tokens' sub-keys with the centroid their code names
-    sub = snap["pq_keys"][head, focus, :d] if focus else torch.zeros((0, d))
-    xy_c, xy_t = _pca2(cents[0], cents[0]), _pca2(sub, cents[0])
+    # 1. the codebook of the sub-space where the focus tokens' codes differ most, and their sub-keys with the
+    # centroid their code names
+    j = max(range(m), key=lambda j: (len({int(codes[j, p]) for p in focus}), -j))
+    sub = snap["pq_keys"][head, focus, j * d : (j + 1) * d] if focus else torch.zeros((0, d))
+    xy_c, xy_t = _pca2(cents[j], cents[j]), _pca2(sub, cents[j])
     tokens = [
-        {"pos": p, "xy": xy_t[i].tolist(), "codes": codes[:, p].tolist(), "centroid": xy_c[int(codes[0, p])].tolist()}
+        {"pos": p, "xy": xy_t[i].tolist(), "codes": codes[:, p].tolist(), "centroid": xy_c[int(codes[j, p])].tolist()}
         for i, p in enumerate(focus)
     ]
     # 2. the lookup table of the group's first query head: table[j, c] = q_j . centroid_jc
@@ -169,7 +172,7 @@ def describe(snap: dict, focus: list[int], head: int = 0) -> dict:
         "combine": cfg.gqa_combine,
         "n_sinks": int(sum(1 for p in on_device if p < window_lo)),
         "window": [window_lo, S],
-        "codebook": {"centroids": xy_c.tolist(), "tokens": tokens},
+        "codebook": {"subspace": j, "centroids": xy_c.tolist(), "tokens": tokens},
         "table": table.tolist(),
         "focus": focus_cell,
         "search": {
