@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import os
 import queue
-import re
 import threading
-import time
 
 import gradio as gr
 
@@ -19,27 +17,15 @@ from pqcache import Cancelled, Instrumentation
 from pqcache.serving.documents import read_document
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import LoadSettings
-from studio.common import ASSETS, describe, notices, user_of
-from studio.panels import PANEL_EVERY_S, PanelFeed
+from studio.answering import stream_answer
+from studio.common import ASSETS, describe, user_of
+from studio.panels import PanelFeed
 from studio.state import Studio
 from studio.status import StatusBook, document_name
 
 SAMPLE = "passkey_1k.txt"  # the document *Try a sample* loads (assets/)
-CHAT_EVERY_S = 0.3  # the streamed answer is sent at most this often
 WAIT_S = 0.5  # how often a load's progress (and a waiting question) is looked at
 NO_DOCUMENT = "Load a document first."
-ENDINGS = {  # why an answer ended (Answer.ended), as the chat says it
-    "eos": "the model ended it",
-    "end_of_answer": "end of the answer",
-    "repetition": "a repeat was cut",
-    "max_new_tokens": "max new tokens reached",
-    "stopped": "stopped",
-}
-
-
-def literal(text: str) -> str:
-    """A model's text for the chat's Markdown: a line starting "68422." stays text, not an ordered list."""
-    return re.sub(r"^(\s*\d+)\.(?=\s|$)", r"\1\\.", text, flags=re.M)
 
 
 class QATab:
@@ -96,13 +82,13 @@ class QATab:
     def _load(self, user: str, name: str, read, settings: LoadSettings):
         studio, skip = self.studio, (gr.skip(),) * 6  # the layer choices and 5 panels
         self.feed(user)
+        self.pool.entry(user).stop.clear()  # before the load shows: a Stop from now on ends this load
         load = self.status.start(user, name)
         updates: queue.Queue = queue.Queue()
         result: dict = {}
         try:
             yield self.status.line(user), *skip
             with self.pool.use(user) as entry:
-                entry.stop.clear()
 
                 def progress(fraction, step):
                     load.fraction, load.step = fraction, step
@@ -221,70 +207,7 @@ class QATab:
             stop.clear()
             obs = Instrumentation(timeline=True, attention_every=4, recall_every=4)
             feed.show(session, obs, method, layer=layer)
-            yield from self._stream(session, question, chat, method, int(max_new_tokens), stop, obs, feed)
-
-    def _stream(self, session, question, chat, method, max_new_tokens, stop, obs, feed):
-        updates: queue.Queue = queue.Queue()
-        result: dict = {}
-
-        def work():
-            try:
-                result["answer"] = session.ask(
-                    question,
-                    method=method,
-                    max_new_tokens=max_new_tokens,
-                    stop=stop,
-                    observer=obs,
-                    on_token=lambda a: updates.put(a.text),
-                )
-            except Exception as exc:  # shown in the chat; the session stays usable
-                result["error"] = describe(exc)
-            updates.put(None)
-
-        chat.append({"role": "assistant", "content": f"*{method} is reading the question...*"})
-        worker = threading.Thread(target=work, daemon=True, name="pqcache-answer")
-        worker.start()
-        t0 = last_chat = last_panels = time.perf_counter()
-        text, sent, done = None, None, False
-        try:
-            yield chat, f"{method}: reading the question...", *(gr.skip(),) * 5
-            while not done:
-                try:
-                    item = updates.get(timeout=CHAT_EVERY_S)
-                    while item is not None and not updates.empty():
-                        item = updates.get_nowait()  # only the latest text matters
-                    done, text = item is None, text if item is None else item
-                except queue.Empty:
-                    pass
-                now = time.perf_counter()
-                if done or now - last_chat < CHAT_EVERY_S:
-                    continue
-                panels = (gr.skip(),) * 5
-                if now - last_panels >= PANEL_EVERY_S:
-                    last_panels, panels = now, feed.figures(limit=1)
-                if text is not None and text != sent:
-                    sent = text
-                    chat[-1]["content"] = f"{literal(text)}\n\n*{method}, generating...*"
-                last_chat = now
-                doing = "stopping at the next token" if stop.is_set() else "generating"
-                yield chat, f"{method}: {doing}... {now - t0:.1f} s", *panels
-        finally:  # the page went away mid-answer (GeneratorExit): stop the worker, do not leak it
-            if not done:
-                stop.set()
-                worker.join(timeout=30)
-        if "error" in result:
-            chat[-1]["content"] = f"Error: {result['error']}"
-            yield chat, "", *feed.figures()
-            return
-        answer = result["answer"]
-        n, seconds = len(answer.tokens), answer.seconds
-        stopped = " (stopped)" if answer.stopped else ""
-        why = ENDINGS.get(getattr(answer, "ended", ""), "")
-        chat[-1]["content"] = (
-            f"{literal(answer.text)}\n\n*{method}: {n} tokens in {seconds:.1f} s{', ' + why if why else ''}*"
-        )
-        status = f"{method}: {n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s){stopped}"
-        yield chat, status + notices(session.last_stats), *feed.figures()
+            yield from stream_answer(session, question, chat, method, int(max_new_tokens), stop, obs, feed)
 
     # ---- the rest -----------------------------------------------------------------------------------------
     def stop_generation(self, request: gr.Request):

@@ -93,10 +93,24 @@ class TeachingTab:
 
         return at(char), at(answer_char), at(end_char + 1 if end_char >= 0 else -1)
 
+    def first_answer_token(self, ids: list[int], pos: int | None, answer: str) -> int | None:
+        """The position of the answer's first token: the token before may hold its start (" 4"), a blank token
+        before it is skipped."""
+        if pos is None:
+            return None
+        decode = self.studio.tokenizer.decode
+        before = decode([ids[pos - 1]]).strip().lower() if 0 < pos <= len(ids) else ""
+        if before and answer.lower().startswith(before):
+            pos -= 1
+        while pos < len(ids) - 1 and not decode([ids[pos]]).strip():
+            pos += 1
+        return pos
+
     def teaching_answers(self, session, text, methods, fact, progress) -> dict:
         tok = self.studio.tokenizer
         question, right = FACTS[fact]
         fact_pos, answer_pos, end_pos = self.positions(text, fact)
+        answer_pos = self.first_answer_token(session.doc_ids, answer_pos, right)
         rows, selections, recorder = [], {}, StepRecorder()
         for i, method in enumerate(methods):
             progress(0.5 + 0.5 * i / len(methods), desc=f"{method} answering")

@@ -265,14 +265,10 @@ def app_load(real_model):
     qa = QATab(Studio(*real_model, SessionPool(max_bytes=2 * 2**30, idle_s=1800)))
 
     def load(name, text):
-        try:
-            return qa.load_document(
-                None,
-                text,
-                *LoadSettings().values(),
-                request=types.SimpleNamespace(session_hash=name),
-                progress=lambda *a, **k: None,
-            )[0]
+        try:  # the handler yields the status line while it loads: the last one says how it ended
+            return list(
+                qa.load_document(None, text, *LoadSettings().values(), request=types.SimpleNamespace(session_hash=name))
+            )[-1][0]
         finally:
             qa.pool.end(name)
 
@@ -293,7 +289,7 @@ def test_app_names_an_unexpected_error_without_a_traceback(app_load, monkeypatch
     status = app_load("unexpected", "some text")
     assert status == (
         "**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
-        "the details are in the server log"
+        "the details are in the server log\n\nNo document is loaded."
     )
 
 

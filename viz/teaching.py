@@ -50,8 +50,11 @@ def heat_strip(
             name="attended tokens",
         )
     )
-    for m in marks or []:
-        _fact_line(fig, m, names[0], names[-1])
+    for m in marks or []:  # across the whole strip, with a legend entry of its own
+        fig.add_vline(x=m, line=dict(color=FACT_COLOR, width=2, dash="dot"))
+    if marks:
+        line = dict(color=FACT_COLOR, width=2, dash="dot")
+        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="the hidden fact", line=line))
     fig.update_xaxes(title="document position (tokens)")
     return layout(
         fig, "Token spotlight: where each method attended (red: the fact)", legend=dict(orientation="h", y=1.12, x=0.6)
@@ -71,7 +74,7 @@ def codebook(w: dict, labels: dict | None = None) -> go.Figure:
             x=xs,
             y=ys,
             mode="markers",
-            name=f"the {w['C']} centroids of sub-space 1",
+            name=f"the {w['C']} centroids of sub-space {j + 1}",
             marker=dict(color="#bbb", size=8),
             text=[f"centroid {i}" for i in range(len(xs))],
             hoverinfo="text",

@@ -1,0 +1,95 @@
+"""A streamed answer for the Q&A tab: the model works on a thread, the page gets the growing answer and the
+panels at a rate it keeps up with (studio/panels.py)."""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+
+import gradio as gr
+
+from studio.common import describe, notices
+from studio.panels import PANEL_EVERY_S
+
+CHAT_EVERY_S = 0.3  # the streamed answer is sent at most this often
+ENDINGS = {  # why an answer ended (Answer.ended), as the chat says it
+    "eos": "the model ended it",
+    "end_of_answer": "end of the answer",
+    "repetition": "a repeat was cut",
+    "max_new_tokens": "max new tokens reached",
+    "stopped": "stopped",
+}
+
+
+def literal(text: str) -> str:
+    """A model's text for the chat's Markdown: a line starting "68422." stays text, not an ordered list."""
+    return re.sub(r"^(\s*\d+)\.(?=\s|$)", r"\1\\.", text, flags=re.M)
+
+
+def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, feed):
+    """Run session.ask on a worker thread and yield (chat, timing line, 5 panels) while it streams: the chat at
+    most every CHAT_EVERY_S seconds, one panel whose data changed at most every PANEL_EVERY_S seconds, all changed
+    panels at the end. The chat's last message is the answer, with the method, its tokens and why it ended."""
+    updates: queue.Queue = queue.Queue()
+    result: dict = {}
+
+    def work():
+        try:
+            result["answer"] = session.ask(
+                question,
+                method=method,
+                max_new_tokens=max_new_tokens,
+                stop=stop,
+                observer=obs,
+                on_token=lambda a: updates.put(a.text),
+            )
+        except Exception as exc:  # shown in the chat; the session stays usable
+            result["error"] = describe(exc)
+        updates.put(None)
+
+    chat.append({"role": "assistant", "content": f"*{method} is reading the question...*"})
+    worker = threading.Thread(target=work, daemon=True, name="pqcache-answer")
+    worker.start()
+    t0 = last_chat = last_panels = time.perf_counter()
+    text, sent, done = None, None, False
+    try:
+        yield chat, f"{method}: reading the question...", *(gr.skip(),) * 5
+        while not done:
+            try:
+                item = updates.get(timeout=CHAT_EVERY_S)
+                while item is not None and not updates.empty():
+                    item = updates.get_nowait()  # only the latest text matters
+                done, text = item is None, text if item is None else item
+            except queue.Empty:
+                pass
+            now = time.perf_counter()
+            if done or now - last_chat < CHAT_EVERY_S:
+                continue
+            panels = (gr.skip(),) * 5
+            if now - last_panels >= PANEL_EVERY_S:
+                last_panels, panels = now, feed.figures(limit=1)
+            if text is not None and text != sent:
+                sent = text
+                chat[-1]["content"] = f"{literal(text)}\n\n*{method}, generating...*"
+            last_chat = now
+            doing = "stopping at the next token" if stop.is_set() else "generating"
+            yield chat, f"{method}: {doing}... {now - t0:.1f} s", *panels
+    finally:  # the page went away mid-answer (GeneratorExit): stop the worker, do not leak it
+        if not done:
+            stop.set()
+            worker.join(timeout=30)
+    if "error" in result:
+        chat[-1]["content"] = f"Error: {result['error']}"
+        yield chat, "", *feed.figures()
+        return
+    answer = result["answer"]
+    n, seconds = len(answer.tokens), answer.seconds
+    stopped = " (stopped)" if answer.stopped else ""
+    why = ENDINGS.get(getattr(answer, "ended", ""), "")
+    chat[-1]["content"] = (
+        f"{literal(answer.text)}\n\n*{method}: {n} tokens in {seconds:.1f} s{', ' + why if why else ''}*"
+    )
+    status = f"{method}: {n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s){stopped}"
+    yield chat, status + notices(session.last_stats), *feed.figures()
