@@ -4,6 +4,7 @@ state.py         the model, its tokenizer, the session pool and the server's set
 common.py        what the tabs share: user ids, messages for the page, the assets folder
 qa.py            Document Q&A handlers: load (a file, pasted text, the sample), ask (streamed), stop, unload
 qa_page.py       Document Q&A page: how-to line, document, settings, status line, chat, panels
+answering.py     a streamed answer: the chat, the timing line and the panels at a rate the page keeps up with
 status.py        the status line: one source of truth per user (loading, active document, last message)
 panels.py        the live panels, redrawn only when their data changed
 teaching.py      Teaching handlers: one prefill, several methods side by side, the five-step walkthrough

@@ -127,7 +127,8 @@ def build_qa_tab(tab: QATab, methods: list[str]):
     for trigger in (file.change, pasted.change):
         trigger(load_label, [file, pasted], [load], queue=False, show_progress="hidden", api_name=False)
     asking = [question, chat, method, max_new, layer]
-    answer = dict(show_progress="minimal", show_progress_on=[gen_status], **model_work)
+    # the chat shows a queued question's place ("queue: 1/2") in its corner, then the elapsed time
+    answer = dict(show_progress="minimal", show_progress_on=[chat], **model_work)
     for trigger, api in ((ask_btn.click, "ask"), (question.submit, False)):
         trigger(tab.ask, asking, [chat, gen_status, *plots, question], api_name=api, **answer)
     # Stop needs no model slot (concurrency_limit=None): it is never stuck behind a load or an answer; its reply

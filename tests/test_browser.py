@@ -307,7 +307,7 @@ def test_two_users_queue_eviction_notice_and_closed_tab(browser, small_app_url):
     ask(ann, "List the numbers from 1 to 60.")  # a long answer (48 tokens)
     ann.wait_for_selector("#gen-status >> text=generating", timeout=120_000)
     ask(bob, EXAMPLE["question"])  # the only model slot is ann's: bob sees his place in the queue
-    bob.wait_for_function("() => /queue: 1\\/\\d+/.test(document.body.innerText)", timeout=30_000)
+    bob.wait_for_function("() => /queue: 1\\/\\d+/.test(document.querySelector('#chat').innerText)", timeout=30_000)
     bob.screenshot(path=str(SHOTS / "queue.png"), full_page=True)
     ann.locator("#stop").click()
     bob.wait_for_selector("#chat >> text=Load a document first", timeout=120_000)

@@ -54,11 +54,11 @@ def heat_strip(
         fig.add_vline(x=m, line=dict(color=FACT_COLOR, width=2, dash="dot"))
     if marks:
         line = dict(color=FACT_COLOR, width=2, dash="dot")
-        fig.add_trace(go.Scatter(x=[None], y=[None], mode="lines", name="the hidden fact", line=line))
+        # a zero-length line: nothing drawn (the shape is the mark), but a legend entry
+        fig.add_trace(go.Scatter(x=[marks[0]] * 2, y=[names[0]] * 2, mode="lines", name="the hidden fact", line=line))
     fig.update_xaxes(title="document position (tokens)")
-    return layout(
-        fig, "Token spotlight: where each method attended (red: the fact)", legend=dict(orientation="h", y=1.12, x=0.6)
-    )
+    legend = dict(orientation="h", y=1.02, x=1, xanchor="right", yanchor="bottom")
+    return layout(fig, "Token spotlight: where each method attended (red: the fact)", showlegend=True, legend=legend)
 
 
 def codebook(w: dict, labels: dict | None = None) -> go.Figure:
