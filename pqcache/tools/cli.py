@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 
 from pqcache.engine.config import PQCacheConfig
@@ -24,6 +25,12 @@ def _budget(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(f"token budget must be a number, got {text!r}") from None
     return int(value) if value > 1 and value.is_integer() else value
+
+
+def _config(args) -> PQCacheConfig:
+    """The engine settings a subcommand has flags for; the others keep PQCacheConfig's defaults."""
+    names = [f.name for f in fields(PQCacheConfig)]
+    return PQCacheConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
 def _iters(text: str):
@@ -170,17 +177,7 @@ def cmd_generate(args) -> int:
         context = read_bytes(sys.stdin.buffer.read(MAX_DOCUMENT_BYTES + 1), "standard input", args.encoding)
     elif args.context_file is not None:  # bad files raise DocumentError (printed, exit 2)
         context = read_document(str(args.context_file), encoding=args.encoding)
-    config = PQCacheConfig(
-        m=args.m,
-        bits=args.bits,
-        token_budget=args.token_budget,
-        n_init=args.n_init,
-        n_local=args.n_local,
-        kmeans_iters=args.kmeans_iters,
-        block_cache_tokens=args.block_cache_tokens,
-        cache_policy=args.cache_policy,
-        rerank=args.rerank,
-    )
+    config = _config(args)
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
     prompt = build_prompt(tok, context, args.question)
     printed = [0]
@@ -298,15 +295,7 @@ def cmd_eval(args) -> int:
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     cases = evaluate.load_cases(args.cases) if args.mode is None else None
-    config = PQCacheConfig(
-        m=args.m,
-        bits=args.bits,
-        token_budget=args.token_budget,
-        n_init=args.n_init,
-        n_local=args.n_local,
-        rerank=args.rerank,
-        chunk_attention=args.chunk_attention,
-    )
+    config = _config(args)
     model, tok = load_model(args.model, device=args.device, progress=lambda msg: print(msg, file=sys.stderr))
     if args.mode == "recall":
         from pqcache.tools.datasets import essays_text

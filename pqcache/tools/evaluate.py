@@ -180,8 +180,7 @@ def recall_study(
     m or bits None: the defaults (chosen from head_dim and the context length)."""
     from dataclasses import replace
 
-    from pqcache.engine.layer.probe import per_query_head_recall
-    from pqcache.engine.methods.base import combine_rows, topk_positions
+    from pqcache.engine.layer.probe import selection_recall
     from pqcache.tools.bench import filled_layer
 
     device = next(model.parameters()).device
@@ -193,6 +192,7 @@ def recall_study(
         S, H = layer.S, layer.host.H
         keys = layer.host.keys(0, S).clone()
         G = layer.prefill_q.shape[1] // H
+        all_valid = torch.ones((1, S), dtype=torch.bool)
         queries = [
             layer.prefill_q[:, :, t : t + 1].reshape(1, H, G, -1).float() * layer.scaling
             for t in range(S - n_queries, S)
@@ -205,18 +205,21 @@ def recall_study(
                 acc = {"recall": [], "mass_recall": [], "qhead": []}
                 for q in queries:
                     top, valid = pql.select(q, 1.0)
-                    cand, ks = pql.candidates(), pql.topk_counts()
-                    exact = keys.float() @ q.transpose(-1, -2)  # (1, H, S, G)
-                    comb = combine_rows(exact, cand, cfg.gqa_combine)
-                    etop, evalid = topk_positions(comb, ks, top.shape[2])
                     chosen = torch.zeros((1, H, S), dtype=torch.bool).scatter_(2, top, valid)
-                    ref = torch.zeros_like(chosen).scatter_(2, etop, evalid)
-                    acc["recall"].append(((chosen & ref).sum(-1) / ref.sum(-1).clamp(min=1)).mean().item())
-                    probs = exact.transpose(2, 3).softmax(-1)  # (1, H, G, S)
-                    attended = chosen | ~cand[:, None, :]
-                    acc["mass_recall"].append((probs * attended[:, :, None, :]).sum(-1).mean().item())
-                    qh = per_query_head_recall(exact.transpose(2, 3), cand, chosen, max(ks), G)
-                    acc["qhead"].append(qh.mean().item())
+                    exact = (keys.float() @ q.transpose(-1, -2)).transpose(2, 3)  # (1, H, G, S)
+                    recall, mass, qhead = selection_recall(
+                        exact,
+                        all_valid,
+                        pql.candidates(),
+                        chosen,
+                        pql.topk_counts(),
+                        top.shape[2],
+                        cfg.gqa_combine,
+                        G,
+                    )
+                    acc["recall"].append(recall.mean().item())
+                    acc["mass_recall"].append(mass.mean().item())
+                    acc["qhead"].append(qhead.mean().item())
                 rows.append(
                     {
                         "layer": layer.layer_idx,

@@ -156,8 +156,7 @@ class PQLayer(CacheLayerMixin):
         """Middle tokens each row fetches per step: the method's budget less what sinks and window hold."""
         w, view = self.window, self.view()
         out = []
-        for b in range(self.host.B):
-            n_real = int(self.host.valid[b, : self.S].sum())
+        for b, n_real in enumerate(w.n_real):  # real tokens of each row, kept by the window as they arrive
             n_init, n_topk, n_local = self.method.split(self.config, n_real, view)
             out.append(max(0, n_init + n_topk + n_local - int(w.init_valid[b].sum()) - w.n_local[b]))
         return out

@@ -43,24 +43,47 @@ def probe(
     valid = host.valid[:, :S]
     probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)  # (B, H, R, S)
     if obs.wants_attention(step):
+        probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)  # (B, H, R, S)
         obs.record_attention(layer.layer_idx, step, probs.sort(-1, descending=True).values.mean((0, 1, 2)))
     if not obs.wants_recall(step) or top.shape[2] == 0:
         return
-    cand = layer.candidates()
-    exact_comb = combine_rows(exact.transpose(2, 3).contiguous(), cand, layer.config.gqa_combine)  # (B, H, S)
-    etop, evalid = topk_positions(exact_comb, layer.topk_counts(), top.shape[2])
-    chosen = torch.zeros((B, H, S), dtype=torch.bool, device=layer.device)
-    chosen.scatter_(2, top, top_valid)
+    chosen = torch.zeros((B, H, S), dtype=torch.bool, device=layer.device).scatter_(2, top, top_valid)
+    topk_recall, mass, qhead = selection_recall(
+        exact,
+        valid,
+        layer.candidates(),
+        chosen,
+        layer.topk_counts(),
+        top.shape[2],
+        layer.config.gqa_combine,
+        q.shape[2] // n_new,
+    )
+    obs.record_recall(
+        layer.layer_idx,
+        step,
+        topk_recall.mean(0).tolist(),
+        mass.mean(0).tolist(),
+        int(top_valid.sum(-1).max()),
+        qhead.tolist(),
+    )
+
+
+def selection_recall(exact, valid, cand, chosen, ks: list[int], k: int, mode: str, G: int):
+    """How well a selection covers exact attention. exact (B, H, G*Q, S) scaled scores; valid, cand (B, S);
+    chosen (B, H, S) the selected middle tokens, k the selection's width -> (top-k recall (B, H): the share of
+    the exact top-k under the same rule (same candidates, same GQA combine, same ks) that was chosen; mass recall
+    (B, H): the share of the exact attention on the attended tokens (chosen + sinks + window); per-query-head
+    recall (H*G,))."""
+    B, H, _, S = exact.shape
+    combined = combine_rows(exact.transpose(2, 3).contiguous(), cand, mode)  # (B, H, S)
+    etop, evalid = topk_positions(combined, ks, k)
     in_cand = torch.gather(cand[:, None, :].expand(-1, H, -1), 2, etop)
     exact_set = torch.zeros_like(chosen).scatter_(2, etop, evalid & in_cand)
-    inter = (chosen & exact_set).sum(-1).float()
-    topk_recall = (inter / exact_set.sum(-1).clamp(min=1)).mean(0)  # (H,)
+    topk_recall = (chosen & exact_set).sum(-1).float() / exact_set.sum(-1).clamp(min=1)
+    probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
     attended = chosen | (~cand[:, None, :] & valid[:, None, :])  # sinks and window are attended too
-    mass = (probs * attended[:, :, None, :]).sum(-1).mean(-1).mean(0)  # (H,)
-    qhead = per_query_head_recall(exact, cand, chosen, top.shape[2], q.shape[2] // n_new)
-    obs.record_recall(
-        layer.layer_idx, step, topk_recall.tolist(), mass.tolist(), int(top_valid.sum(-1).max()), qhead.tolist()
-    )
+    mass = (probs * attended[:, :, None, :]).sum(-1).mean(-1)
+    return topk_recall, mass, per_query_head_recall(exact, cand, chosen, k, G)
 
 
 def per_query_head_recall(exact: torch.Tensor, cand: torch.Tensor, chosen: torch.Tensor, k: int, G: int):
