@@ -82,18 +82,22 @@ def settings(page, open_: bool):
 
 
 def max_new_tokens(page, n: int):
+    """Type n into the slider's number box; again if the page re-rendered the slider before it took (seen in CI)."""
+    from playwright.sync_api import TimeoutError
+
     settings(page, True)
-    page.locator("#max-new input[type=range]").fill(str(n))
-    try:
-        page.wait_for_function(f"() => document.querySelector('#max-new input[type=number]').value === '{n}'")
-    except Exception:
-        page.screenshot(path="/tmp/shots/debug.png", full_page=True)
-        print(
-            "DEBUG",
-            page.locator("#settings .label-wrap").get_attribute("class"),
-            page.evaluate("() => [...document.querySelectorAll('#max-new input')].map(i => [i.type, i.value])"),
-        )
-        raise
+    box = page.locator("#max-new input[type=number]")
+    for attempt in range(3):
+        box.fill(str(n))
+        box.press("Enter")
+        try:
+            page.wait_for_function(
+                f"() => document.querySelector('#max-new input[type=range]').value === '{n}'", timeout=10_000
+            )
+            break
+        except TimeoutError:
+            if attempt == 2:
+                raise
     settings(page, False)
 
 
@@ -105,22 +109,12 @@ def ask(page, question: str):
 
 def answered(page, timeout=240_000) -> str:
     """The chat once the question just asked has its answer (one more "N tokens in" line than before)."""
-    try:
-        page.wait_for_function(
-            """n => document.querySelector('#chat').innerText.split(' tokens in ').length > n
-                   && document.querySelector('#gen-status').innerText.includes('tokens/s')""",
-            arg=page.answers_before,
-            timeout=timeout,
-        )
-    except Exception:
-        page.screenshot(path="/tmp/shots/debug2.png", full_page=True)
-        print(
-            "DEBUG2",
-            page.answers_before,
-            repr(page.locator("#chat").inner_text()[-300:]),
-            page.locator("#gen-status").inner_text(),
-        )
-        raise
+    page.wait_for_function(
+        """n => document.querySelector('#chat').innerText.split(' tokens in ').length > n
+               && document.querySelector('#gen-status').innerText.includes('tokens/s')""",
+        arg=page.answers_before,
+        timeout=timeout,
+    )
     return page.locator("#chat").inner_text()
 
 
