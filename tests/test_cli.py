@@ -23,25 +23,19 @@ def run_cli(*args, timeout=600):
     )
 
 
+def generate_json(method: str, max_new_tokens: int) -> dict:
+    """`generate --json` on the passkey document with the plain question: the result object it prints last."""
+    proc = run_cli(
+        "generate", "--method", method, "--context-file", str(PASSKEY), "--question", QUESTION,
+        "--max-new-tokens", str(max_new_tokens), "--json",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.fixture(scope="module")
 def generations():
-    out = {}
-    for method in ("full", "pqcache"):
-        proc = run_cli(
-            "generate",
-            "--method",
-            method,
-            "--context-file",
-            str(PASSKEY),
-            "--question",
-            QUESTION,
-            "--max-new-tokens",
-            "6",
-            "--json",
-        )
-        assert proc.returncode == 0, proc.stderr[-2000:]
-        out[method] = json.loads(proc.stdout.strip().splitlines()[-1])
-    return out
+    return {method: generate_json(method, 6) for method in ("full", "pqcache")}
 
 
 def test_generate_json_answers_passkey_with_both_methods(generations):
@@ -130,20 +124,7 @@ def test_bench_ttft_and_blockcache_json_shape():
 
 @pytest.mark.parametrize("method", ["oracle", "streaming", "h2o", "snapkv", "pyramidkv", "sparq", "infllm"])
 def test_generate_every_method_from_the_cli(method):
-    proc = run_cli(
-        "generate",
-        "--method",
-        method,
-        "--context-file",
-        str(PASSKEY),
-        "--question",
-        QUESTION,
-        "--max-new-tokens",
-        "3",
-        "--json",
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = generate_json(method, 3)
     assert result["stats"]["method"] == method and len(result["tokens"]) == 3
 
 

@@ -40,6 +40,15 @@ NOT_FOR_FULL = "Does not apply to full attention:\nit reads every token, so noth
 TIMELINE_BARS = 1500  # the whole run is drawn with at most about this many bars per lane
 
 
+def per_layer_lines(rows: list[dict], value, **style) -> go.Figure:
+    """One line per layer over decode steps: x = the row's step, y = value(row)."""
+    fig = go.Figure()
+    for layer in sorted({r["layer"] for r in rows}):
+        pts = [r for r in rows if r["layer"] == layer]
+        fig.add_trace(go.Scatter(x=[r["step"] for r in pts], y=[value(r) for r in pts], name=f"layer {layer}", **style))
+    return fig
+
+
 def power_law(data: dict, layer: int | None = None) -> go.Figure:
     """Sorted attention probabilities (rank vs probability, log-log) at the sampled steps of one layer."""
     rows = data.get("attention", [])
@@ -71,17 +80,7 @@ def recall(data: dict, method: str | None = None) -> go.Figure:
         return empty(
             title, "How many of the exact top-k tokens\nthe method selected, per layer.\nDrawn while an answer streams."
         )
-    fig = go.Figure()
-    for layer in sorted({r["layer"] for r in rows}):
-        pts = [r for r in rows if r["layer"] == layer]
-        fig.add_trace(
-            go.Scatter(
-                x=[r["step"] for r in pts],
-                y=[sum(r["topk_recall"]) / len(r["topk_recall"]) for r in pts],
-                mode="lines+markers",
-                name=f"layer {layer}",
-            )
-        )
+    fig = per_layer_lines(rows, lambda r: sum(r["topk_recall"]) / len(r["topk_recall"]), mode="lines+markers")
     step_axis(fig, [r["step"] for r in rows])
     fig.update_yaxes(title="recall", range=[0, 1.05])
     return layout(fig, title)
@@ -102,18 +101,7 @@ def hit_rate(data: dict, method: str | None = None, off: str | None = None) -> g
             "Share of the fetched tokens found in the\ndevice block cache, per layer and in all.\n"
             "Drawn while an answer streams.",
         )
-    fig = go.Figure()
-    for layer in sorted({r["layer"] for r in rows}):
-        pts = [r for r in rows if r["layer"] == layer]
-        fig.add_trace(
-            go.Scatter(
-                x=[r["step"] for r in pts],
-                y=[r["hits"] / max(1, r["hits"] + r["misses"]) for r in pts],
-                mode="lines",
-                name=f"layer {layer}",
-                opacity=0.6,
-            )
-        )
+    fig = per_layer_lines(rows, lambda r: r["hits"] / max(1, r["hits"] + r["misses"]), mode="lines", opacity=0.6)
     steps = sorted({r["step"] for r in rows})
     hits = misses = 0
     cum = []
