@@ -46,7 +46,7 @@ class StepRecorder(PQCacheMethod):
         # single-token step after it (fewer query rows)
         first = self.snap is None or (view.layer_idx == self.snap["layer"] and q.shape[2] < self.snap["q"].shape[1])
         if first and "index" in view.state:
-            self.snap = snapshot(view, view._layer, q, top, valid, self._wide or (top, valid))
+            self.snap = snapshot(view, q, top, valid, self._wide or (top, valid))
         return top, valid
 
     def describe(self, focus: list[int] | None = None, head: int = 0) -> dict | None:
@@ -54,7 +54,7 @@ class StepRecorder(PQCacheMethod):
         return None if self.snap is None else describe(self.snap, focus or [], head)
 
 
-def snapshot(view, layer, q, top, valid, wide) -> dict:
+def snapshot(view, q, top, valid, wide) -> dict:
     """What the step read, for row 0: tensors on the CPU (a few MB for a few thousand tokens)."""
     index = view.state["index"]
     S, cfg = view.S, view.config
@@ -65,7 +65,7 @@ def snapshot(view, layer, q, top, valid, wide) -> dict:
     start, cents = index.segments[0]
     keys = view.keys()[:1]
     rotate = getattr(index, "rotate", None)  # OPQ: the codebooks see rotated keys and queries
-    blocks = layer.window.blocks if layer.window is not None else None
+    blocks = view.block_map()  # (block size, block -> slot map) or None
     return {
         "layer": view.layer_idx,
         "S": S,
@@ -85,9 +85,9 @@ def snapshot(view, layer, q, top, valid, wide) -> dict:
         "wide": [w[0].cpu() for w in wide],
         "top": [top[0].cpu(), valid[0].cpu()],
         "k": view.ks[0],
-        "block_size": None if blocks is None else blocks.bs,
-        "block_slot": None if blocks is None else blocks.block_slot[0].cpu().clone(),  # (H, n_blocks + 1)
-        "n_local": layer.window.n_local[0],
+        "block_size": None if blocks is None else blocks[0],
+        "block_slot": None if blocks is None else blocks[1][0].cpu(),  # (H, n_blocks + 1)
+        "n_local": view.n_local[0],
     }
 
 

@@ -47,6 +47,19 @@ class LayerView:
     def k_max(self) -> int:
         return min(max(self.ks), self.S)
 
+    @property
+    def n_local(self) -> list[int]:
+        """Recent-window length of each row at this step (0 before the window is laid out)."""
+        window = self._layer.window
+        return [0] * self.B if window is None else list(window.n_local)
+
+    def block_map(self) -> tuple[int, torch.Tensor] | None:
+        """The device block cache's (block size, a copy of its block -> slot map (B, H, n_blocks + 1), -1: not
+        cached), for pictures of what it holds; None without a block cache."""
+        window = self._layer.window
+        blocks = None if window is None else window.blocks
+        return None if blocks is None else (blocks.bs, blocks.block_slot.clone())
+
     def span(self, lane: str):
         """A timeline span of this layer (a no-op when no observer is attached)."""
         return self._layer.span(lane)
