@@ -122,8 +122,10 @@ def main(argv: list[str] | None = None):
 
 
 def start_ray_workers(args: argparse.Namespace):
-    """Connect to the Ray cluster, deploy the replicas (each loads the model) and return the app's client. A
-    SIGTERM ends this process cleanly, so a private Ray cluster (--ray local) goes with it."""
+    """Connect to the Ray cluster, deploy the replicas (each loads the model) and return the app's client. When
+    this process ends (a SIGTERM too) the replicas are deleted, and a private Ray cluster (--ray local) goes with
+    it; a cluster started with `ray start` stays."""
+    import atexit
     import signal
     import sys
 
@@ -132,6 +134,7 @@ def start_ray_workers(args: argparse.Namespace):
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print(f"starting {args.replicas} document worker(s) on Ray ({args.ray})...", flush=True)
     launch.connect(args.ray)
+    atexit.register(launch.stop_workers)  # registered after ray.init: runs before Ray's own shutdown
     return launch.start_workers(
         args.replicas,
         model=args.model,

@@ -3,6 +3,7 @@ tiny random chat model built in-process and saved to a temp folder. Users land o
 theirs; a killed replica unloads its users' documents only (they are told, and load again on a live replica); Stop
 reaches the replica; the panels' data crosses the boundary."""
 
+import json
 import os
 import signal
 import time
@@ -92,6 +93,10 @@ def tab(docs):
         tab.end_user(user(name))
 
 
+def feed_tokens(tab, name):
+    return tab.pool.session(name).n_tokens
+
+
 def load(tab, who, text=SHORT, **settings):
     return outputs(tab.load_document(None, text, *LoadSettings(**settings).values(), request=who))[-1][0]
 
@@ -115,6 +120,9 @@ def test_two_users_land_on_different_replicas_and_stay_there(tab, docs):
     summary = tab.server_status()
     assert summary["users"] == 2 and summary["up"] == 2 and summary["cache_bytes"] > 0
     assert [w["users"] for w in summary["workers"]] == [1, 1]
+    home = docs.homes["ann"]  # what crosses the boundary is plain data (no tensors, no engine objects)
+    reply = home.replica.call("document", "ann", home.incarnation, None)
+    assert json.loads(json.dumps(reply))["view"]["n_tokens"] == feed_tokens(tab, "ann") > 0
     feed = tab.feed("ann")  # the panels' data came across: the prefill's and the answer's records
     assert feed.session.prefill_obs.events and feed.obs.events
     assert feed.obs.t0 != feed.session.prefill_obs.t0  # on the replica's clock, the answer after the prefill
@@ -139,6 +147,7 @@ def test_stop_reaches_the_replica_during_a_load(tab, docs):
     assert tab.stop_generation(request=dan) == "stopped"
     assert outputs(loading)[-1][0] == "Stopped: the document was not loaded."
     wait_for(lambda: tab.server_status()["busy"] == 0)  # the replica's request ends just after its reply
+    tab.unload_document(dan)  # the app forgets dan's replica; the Stop must not linger there either
     assert load(tab, dan).startswith("Loaded **")  # the user's next load works
     assert ask(tab, dan)[1].startswith("pqcache: ")
 
@@ -161,3 +170,14 @@ def test_a_killed_replica_unloads_its_users_documents_only(tab, docs):
     assert load(tab, eve).startswith("Loaded **")
     assert docs.replica_of("eve") is not None
     assert ask(tab, eve)[1].startswith("pqcache: ")
+
+
+def test_ray_flags_are_checked():
+    import app
+
+    args = app.parse_args(["--ray", "auto", "--replicas", "3", "--replica-cpus", "0.5"])
+    assert (args.ray, args.replicas, args.replica_cpus) == ("auto", 3, 0.5)
+    assert app.parse_args([]).ray is None  # without --ray: one process, as before
+    for bad in (["--replicas", "0"], ["--replica-cpus", "0"]):
+        with pytest.raises(SystemExit):
+            app.parse_args(["--ray", "auto", *bad])

@@ -87,6 +87,25 @@ class Home:
     document: RemoteDocument | None = field(default=None)
 
 
+def cluster_summary(replicas: list[Replica]) -> dict:
+    """Users with a document, users being served, cache bytes and the cap: the replicas' added up; and each
+    replica's own figures ("workers": its users, cache bytes, resident memory; up or not)."""
+    total = {"users": 0, "busy": 0, "cache_bytes": 0, "max_bytes": 0, "replicas": len(replicas), "up": 0}
+    workers = []
+    for replica in replicas:
+        try:
+            s = replica.call("summary", timeout_s=PROBE_TIMEOUT_S)
+        except ReplicaDown:
+            workers.append({"index": replica.index, "up": False})
+            continue
+        replica.down = False
+        total["up"] += 1
+        for key in ("users", "busy", "cache_bytes", "max_bytes"):
+            total[key] += s[key]
+        workers.append({"index": replica.index, "up": True, **s})
+    return {**total, "workers": workers}
+
+
 class ClusterDocuments:
     """The Q&A tab's worker on a Ray cluster (see the module's doc)."""
 
@@ -198,22 +217,7 @@ class ClusterDocuments:
                 self._lose(home)
 
     def summary(self) -> dict:
-        """Users with a document, users being served, cache bytes and the cap: the replicas' added up; and each
-        replica's own figures ("workers": its users, cache bytes, resident memory; up or not)."""
-        total = {"users": 0, "busy": 0, "cache_bytes": 0, "max_bytes": 0, "replicas": len(self.replicas), "up": 0}
-        workers = []
-        for replica in self.replicas:
-            try:
-                s = replica.call("summary", timeout_s=PROBE_TIMEOUT_S)
-            except ReplicaDown:
-                workers.append({"index": replica.index, "up": False})
-                continue
-            replica.down = False
-            total["up"] += 1
-            for key in ("users", "busy", "cache_bytes", "max_bytes"):
-                total[key] += s[key]
-            workers.append({"index": replica.index, "up": True, **s})
-        return {**total, "workers": workers}
+        return cluster_summary(self.replicas)
 
     # ---- loading and asking ------------------------------------------------------------------------------
     def _place(self, user: str) -> Replica:

@@ -164,6 +164,7 @@ class DocumentReplica:
     async def load(self, user: str, name: str, text: str, settings):
         """Stream {"incarnation"} first, then {"progress": [fraction, step]}..., then {"view": ...} or {"error"}."""
         entry = self.worker.entry(user)
+        entry.stop.clear()  # an old Stop (after an unload, say) must not end this load; the app forwards a new one
         yield {"incarnation": self.incarnation}
 
         def work(emit):
