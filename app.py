@@ -97,6 +97,8 @@ def make_pool(args: argparse.Namespace) -> SessionPool:
 def main(argv: list[str] | None = None):
     args = parse_args(argv)
     limit_malloc_arenas()
+    if args.ray:  # before the model: a wrong address or too small a cluster is said at once
+        connect_ray(args)
     print("preparing the model (the first start converts the bundled GGUF, about a minute)...", flush=True)
     model, tokenizer = load_model(args.model, progress=lambda msg: print(msg, flush=True))
     pool = make_pool(args)
@@ -121,20 +123,34 @@ def main(argv: list[str] | None = None):
     )
 
 
-def start_ray_workers(args: argparse.Namespace):
-    """Connect to the Ray cluster, deploy the replicas (each loads the model) and return the app's client. When
-    this process ends (a SIGTERM too) the replicas are deleted, and a private Ray cluster (--ray local) goes with
-    it; a cluster started with `ray start` stays."""
+def connect_ray(args: argparse.Namespace):
+    """Connect to the Ray cluster and check it has the CPUs the replicas ask for; one line and exit if not. When
+    this process ends (a SIGTERM too) its replicas are deleted, and a private cluster (--ray local) goes with it; a
+    cluster started with `ray start` stays."""
     import atexit
     import signal
     import sys
 
     from pqcache.cluster import launch
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"starting {args.replicas} document worker(s) on Ray ({args.ray})...", flush=True)
-    launch.connect(args.ray)
+    try:
+        cpus = launch.connect(args.ray)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        sys.exit(f"error: could not connect to Ray at {args.ray!r}: {exc}")
+    if cpus < args.replicas * args.replica_cpus:
+        sys.exit(
+            f"error: the Ray cluster has {cpus:g} CPUs; {args.replicas} replicas x {args.replica_cpus:g} CPUs do not "
+            "fit: add machines (ray start --address=HEAD:6379), or lower --replicas or --replica-cpus"
+        )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that the exit handlers run
     atexit.register(launch.stop_workers)  # registered after ray.init: runs before Ray's own shutdown
+
+
+def start_ray_workers(args: argparse.Namespace):
+    """Deploy the replicas (each loads the model: this waits for them) and return the app's client."""
+    from pqcache.cluster import launch
+
+    print(f"starting {args.replicas} document worker(s) on Ray ({args.ray})...", flush=True)
     return launch.start_workers(
         args.replicas,
         model=args.model,

@@ -181,3 +181,10 @@ def test_ray_flags_are_checked():
     for bad in (["--replicas", "0"], ["--replica-cpus", "0"]):
         with pytest.raises(SystemExit):
             app.parse_args(["--ray", "auto", *bad])
+
+
+def test_a_cluster_too_small_for_the_replicas_is_said_before_anything_starts(docs):
+    import app
+
+    with pytest.raises(SystemExit, match="the Ray cluster has 2 CPUs; 3 replicas x 1 CPUs do not fit"):
+        app.connect_ray(app.parse_args(["--ray", "local", "--replicas", "3"]))

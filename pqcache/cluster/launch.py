@@ -34,15 +34,19 @@ def worker_name(index: int) -> str:
     return f"worker-{index}"
 
 
-def connect(address: str | None, **init):
+def connect(address: str | None, **init) -> float:
     """ray.init to a cluster ("auto": the one `ray start` runs here; HOST:PORT; "local": a private one on this
-    machine); nothing if this process is connected already (the tests start their own)."""
+    machine), unless this process is connected already (the tests start their own); returns the cluster's CPUs."""
     import ray
 
     if ray.is_initialized():
-        return
-    env = {"py_modules": [str(PACKAGE)], "env_vars": {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}}
+        return ray.cluster_resources().get("CPU", 0.0)
+    # the replicas' environment: no hub, and few glibc heaps (freed cache memory goes back to the OS; the same as
+    # limit_malloc_arenas() in one process, but from the process's start)
+    env_vars = {"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "MALLOC_ARENA_MAX": "2"}
+    env = {"py_modules": [str(PACKAGE)], "env_vars": env_vars}
     ray.init(address=None if address in (None, "local") else address, runtime_env=env, **init)
+    return ray.cluster_resources().get("CPU", 0.0)
 
 
 def start_workers(
