@@ -136,7 +136,13 @@ def connect_ray(args: argparse.Namespace):
     try:
         cpus = launch.connect(args.ray)
     except (ConnectionError, ValueError, RuntimeError) as exc:
-        sys.exit(f"error: could not connect to Ray at {args.ray!r}: {exc}")
+        hint = (
+            ""
+            if args.ray in ("auto", "local")
+            else " (a cluster with token authentication, as `ray start` makes one when ~/.ray/auth_token exists, "
+            "needs RAY_AUTH_MODE=token and that token here too: docs/scaling.md)"
+        )
+        sys.exit(f"error: could not connect to Ray at {args.ray!r}: {exc}{hint}")
     if cpus < args.replicas * args.replica_cpus:
         sys.exit(
             f"error: the Ray cluster has {cpus:g} CPUs; {args.replicas} replicas x {args.replica_cpus:g} CPUs do not "
