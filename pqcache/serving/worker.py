@@ -65,9 +65,9 @@ class DocumentWorker:
         progress=None,
         stop: threading.Event | None = None,
     ) -> DocumentSession:
-        """Prefill `text` as the user's active document (the pool makes room first, or refuses); the previous
-        document is replaced only once the new one is in. Raises what the settings, the text or the pool say
-        is wrong (Cancelled when `stop` was set); the reservation is then given back."""
+        """Prefill `text` as the user's active document. Settings and text are checked first (a bad one leaves the
+        previous document in place); then the pool frees the previous document and makes room, or refuses. Raises
+        what is wrong (Cancelled when `stop` was set); the reservation is then given back."""
         config = settings.to_config(pq_timeout_s=self.pq_timeout_s)
         session = DocumentSession(
             self.model, self.tokenizer, config, method=settings.method, max_tokens=self.max_document_tokens
