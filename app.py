@@ -2,6 +2,7 @@
 
 python app.py [--host 127.0.0.1] [--port 7860] [--model default|PATH] [--concurrency 2]
               [--max-cache-gib G] [--idle-minutes 30] [--max-document-tokens N] [--pq-timeout 120]
+              [--ray auto|local|HOST:PORT --replicas N --replica-cpus 1]
 
 Tabs: Document Q&A (upload or paste, prefill once, streamed answers, live cache panels), Teaching
 (one prefill, several methods side by side, token spotlight, step-through walkthrough), Cost model.
@@ -11,6 +12,10 @@ and launches the page; the tabs are in studio/, the engine in pqcache/, the figu
 Many users: every browser tab (or gradio_client) is a user with its own document cache in a
 SessionPool (one memory cap, least recently used idle caches evicted, idle caches freed, a closed
 tab's cache freed); the model is shared and model work queues with a visible position.
+
+Several machines (--ray): the Q&A documents live on N Ray Serve replicas of the document worker (each its own
+model and session pool, --max-cache-gib and --concurrency each), this process serves the page and keeps every user
+on the replica holding their document (pqcache/cluster/, docs/scaling.md). The Teaching tab runs here.
 """
 
 from __future__ import annotations
@@ -56,17 +61,34 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=120,
         help="seconds a K-Means build may take before its layer falls back to exact attention",
     )
+    p.add_argument(
+        "--ray",
+        default=None,
+        metavar="auto|local|HOST:PORT",
+        help="serve Q&A documents from Ray Serve replicas: 'auto' (the cluster `ray start` runs here), HOST:PORT "
+        "(a cluster's head), 'local' (a private one on this machine); default: this process, no Ray",
+    )
+    p.add_argument("--replicas", type=int, default=2, help="with --ray: document workers, each its own model")
+    p.add_argument("--replica-cpus", type=float, default=1.0, help="with --ray: CPUs each replica reserves")
     args = p.parse_args(argv)
     if not args.idle_minutes >= 0:
         p.error(f"--idle-minutes must be 0 (never) or more, got {args.idle_minutes:g}")
+    if args.replicas < 1 or not args.replica_cpus > 0:
+        p.error(
+            f"--replicas must be 1 or more and --replica-cpus more than 0, got {args.replicas}, {args.replica_cpus:g}"
+        )
     return args
+
+
+def cache_bytes(args: argparse.Namespace) -> int:
+    """--max-cache-gib in bytes (default: a quarter of this machine's RAM, at most 8 GiB)."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int((args.max_cache_gib if args.max_cache_gib is not None else min(8.0, ram / 4 / 2**30)) * 2**30)
 
 
 def make_pool(args: argparse.Namespace) -> SessionPool:
     """The session pool the flags ask for, its reaper of idle caches started."""
-    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    max_bytes = int((args.max_cache_gib if args.max_cache_gib is not None else min(8.0, ram / 4 / 2**30)) * 2**30)
-    pool = SessionPool(max_bytes=max_bytes, idle_s=args.idle_minutes * 60 or None)  # 0: never by idleness
+    pool = SessionPool(max_bytes=cache_bytes(args), idle_s=args.idle_minutes * 60 or None)  # 0: never by idleness
     if pool.idle_s is not None:
         pool.start_reaper(every_s=min(5.0, pool.idle_s / 4))
     return pool
@@ -75,21 +97,75 @@ def make_pool(args: argparse.Namespace) -> SessionPool:
 def main(argv: list[str] | None = None):
     args = parse_args(argv)
     limit_malloc_arenas()
+    if args.ray:  # before the model: a wrong address or too small a cluster is said at once
+        connect_ray(args)
     print("preparing the model (the first start converts the bundled GGUF, about a minute)...", flush=True)
     model, tokenizer = load_model(args.model, progress=lambda msg: print(msg, flush=True))
     pool = make_pool(args)
+    documents, concurrency = None, args.concurrency
+    if args.ray:
+        documents = start_ray_workers(args)
+        concurrency *= args.replicas  # the page's model slots: each replica's, added up
     studio = Studio(
         model,
         tokenizer,
         pool,
         pq_timeout_s=args.pq_timeout,
-        concurrency=args.concurrency,
+        concurrency=concurrency,
         max_document_tokens=args.max_document_tokens,
+        documents=documents,
     )
     idle = f"idle caches freed after {args.idle_minutes:g} min" if pool.idle_s else "idle caches kept"
-    print(f"model ready; caches capped at {pool.max_bytes / 2**30:.2f} GiB, {idle}", flush=True)
-    build_ui(studio).queue(default_concurrency_limit=args.concurrency).launch(
+    where = f"on each of {args.replicas} Ray replicas" if args.ray else "in this process"
+    print(f"model ready; caches capped at {pool.max_bytes / 2**30:.2f} GiB {where}, {idle}", flush=True)
+    build_ui(studio).queue(default_concurrency_limit=concurrency).launch(
         server_name=args.host, server_port=args.port, show_error=False, max_file_size=MAX_DOCUMENT_BYTES
+    )
+
+
+def connect_ray(args: argparse.Namespace):
+    """Connect to the Ray cluster and check it has the CPUs the replicas ask for; one line and exit if not. When
+    this process ends (a SIGTERM too) its replicas are deleted, and a private cluster (--ray local) goes with it; a
+    cluster started with `ray start` stays."""
+    import atexit
+    import signal
+    import sys
+
+    from pqcache.cluster import launch
+
+    try:
+        cpus = launch.connect(args.ray)
+    except (ConnectionError, ValueError, RuntimeError) as exc:
+        hint = (
+            ""
+            if args.ray in ("auto", "local")
+            else " (a cluster with token authentication, as `ray start` makes one when ~/.ray/auth_token exists, "
+            "needs RAY_AUTH_MODE=token and that token here too: docs/scaling.md)"
+        )
+        sys.exit(f"error: could not connect to Ray at {args.ray!r}: {exc}{hint}")
+    if cpus < args.replicas * args.replica_cpus:
+        sys.exit(
+            f"error: the Ray cluster has {cpus:g} CPUs; {args.replicas} replicas x {args.replica_cpus:g} CPUs do not "
+            "fit: add machines (ray start --address=HEAD:6379), or lower --replicas or --replica-cpus"
+        )
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # so that the exit handlers run
+    atexit.register(launch.stop_workers)  # registered after ray.init: runs before Ray's own shutdown
+
+
+def start_ray_workers(args: argparse.Namespace):
+    """Deploy the replicas (each loads the model: this waits for them) and return the app's client."""
+    from pqcache.cluster import launch
+
+    print(f"starting {args.replicas} document worker(s) on Ray ({args.ray})...", flush=True)
+    return launch.start_workers(
+        args.replicas,
+        model=args.model,
+        replica_cpus=args.replica_cpus,
+        max_bytes=cache_bytes(args),
+        idle_s=args.idle_minutes * 60 or None,
+        concurrency=args.concurrency,
+        pq_timeout_s=args.pq_timeout,
+        max_document_tokens=args.max_document_tokens,
     )
 
 

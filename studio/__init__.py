@@ -1,6 +1,7 @@
 """PQCache Studio's user interface: one tab per module around one `Studio` object (state.py).
 
-state.py         the model, its tokenizer, the session pool and the server's settings, built in app.main()
+state.py         the model, its tokenizer, the session pool, the server's settings and where the Q&A documents live
+                 (this process's DocumentWorker, or Ray replicas: pqcache/cluster/), built in app.main()
 common.py        what the tabs share: user ids, messages for the page, the assets folder
 qa.py            Document Q&A handlers: load (a file, pasted text, the sample), ask (streamed), stop, unload
 qa_page.py       Document Q&A page: how-to line, document, settings, status line, chat, panels

@@ -15,7 +15,6 @@ import gradio as gr
 
 from pqcache import Cancelled, Instrumentation
 from pqcache.serving.documents import read_document
-from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import LoadSettings
 from studio.answering import stream_answer
 from studio.common import ASSETS, describe, user_of
@@ -29,11 +28,12 @@ NO_DOCUMENT = "Load a document first."
 
 
 class QATab:
-    """The Q&A tab's handlers; each user's document lives in the pool's "qa" slot."""
+    """The Q&A tab's handlers; each user's document lives in the worker's pool, in its "qa" slot: this process's
+    pool, or a Ray replica's (studio.documents)."""
 
     def __init__(self, studio: Studio):
         self.studio = studio
-        self.pool = studio.pool
+        self.pool = studio.documents
         self.status = StatusBook(self.pool)
         self.feeds: dict[str, PanelFeed] = {}
         self.notices = 0
@@ -96,25 +96,9 @@ class QATab:
 
                 def work():
                     try:
-                        config = settings.to_config(pq_timeout_s=studio.pq_timeout_s)
+                        settings.to_config(pq_timeout_s=studio.pq_timeout_s)  # the form is checked before the file
                         text = read(settings.text_encoding)
-                        session = DocumentSession(
-                            studio.model,
-                            studio.tokenizer,
-                            config,
-                            method=settings.method,
-                            max_tokens=studio.max_document_tokens,
-                        )
-                        session.name = name
-                        progress(0.0, "tokenizing")
-                        session.info = session.load(
-                            text,
-                            progress=progress,
-                            stop=entry.stop,
-                            truncate=settings.truncate,
-                            reserve=lambda n: self.pool.reserve(user, "qa", n),
-                        )
-                        result["session"] = session
+                        result["session"] = self.pool.load(user, name, text, settings, progress, entry.stop)
                     except Exception as exc:  # shown on the status line; the page stays as it was
                         result["error"] = exc
                     updates.put(None)
@@ -138,12 +122,8 @@ class QATab:
                     if not done:
                         entry.stop.set()
                         worker.join(timeout=30)
-                if "session" in result:
-                    self.pool.store(user, "qa", result["session"])
-        finally:
+        finally:  # the worker stored the new document, or gave its reservation back
             error = result.get("error")
-            if error is not None or "session" not in result:
-                self.pool.unreserve(user, "qa")
             stopped = isinstance(error, Cancelled) or "session" not in result and error is None
             self.status.finish(
                 user, "Stopped: the document was not loaded." if stopped else error and f"**Error:** {describe(error)}"
@@ -252,8 +232,9 @@ class QATab:
 
     def server_line(self) -> str:
         s = self.pool.summary()
+        workers = f" on {s['up']} of {s['replicas']} workers" if "replicas" in s else ""  # a Ray cluster's
         return (
-            f"Server: {s['users']} user(s) with a document, {s['busy']} being served; caches "
+            f"Server: {s['users']} user(s) with a document{workers}, {s['busy']} being served; caches "
             f"{s['cache_bytes'] / 2**20:.0f} of {s['max_bytes'] / 2**20:.0f} MiB."
         )
 

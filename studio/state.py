@@ -5,16 +5,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pqcache.serving.pool import SessionPool
+from pqcache.serving.worker import DocumentWorker
 
 
 @dataclass
 class Studio:
     model: object
     tokenizer: object
-    pool: SessionPool
+    pool: SessionPool  # this process's caches: the Teaching tab's, and the Q&A tab's when documents is local
     pq_timeout_s: float | None = 120.0  # a K-Means build slower than this falls back to exact attention
     concurrency: int = 2  # requests using the model at once; the rest queue
     max_document_tokens: int | None = None  # None: what the model reads
+    # where the Q&A tab's documents live: None builds the in-process worker around model and pool; a Ray
+    # cluster's client (pqcache.cluster) has the same calls
+    documents: object = None
+
+    def __post_init__(self):
+        if self.documents is None:
+            self.documents = DocumentWorker(
+                self.model, self.tokenizer, self.pool, self.pq_timeout_s, self.max_document_tokens
+            )
 
     @property
     def model_work(self) -> dict:

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 import torch
 
 LANES = ("device compute", "host clustering", "copy to host", "copy to device")
+RECORDS = ("events", "attention", "recall", "blocks", "selected")  # the kinds of records, each a list
 
 
 class Instrumentation:
@@ -141,3 +142,23 @@ class Instrumentation:
                 "selected": list(self.selected),
                 "bytes": dict(self.bytes),
             }
+
+    def since(self, counts: dict) -> dict:
+        """What was recorded after `counts` (records per kind, updated in place): to_dict()'s lists cut to
+        their new items, the byte counts and this recording's t0. A Ray replica streams these to the app."""
+        with self._lock:
+            out = {"bytes": dict(self.bytes), "t0": self.t0}
+            for key in RECORDS:
+                rows = getattr(self, key)
+                out[key] = rows[counts.get(key, 0) :]
+                counts[key] = len(rows)
+            return out
+
+    def merge(self, part: dict):
+        """Append a part from since() (recorded in another process): the panels read this copy as they read the
+        original. t0 is the recording's, so its times line up with others from the same process."""
+        with self._lock:
+            for key in RECORDS:
+                getattr(self, key).extend(part.get(key, []))
+            self.bytes = dict(part.get("bytes", self.bytes))
+            self.t0 = part.get("t0", self.t0)

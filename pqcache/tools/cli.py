@@ -157,6 +157,13 @@ def build_parser() -> argparse.ArgumentParser:
     lt.add_argument("--rounds", type=int, default=2, help="repeat the users; a leak grows round after round")
     lt.add_argument("--seed", type=int, default=0)
     lt.add_argument("--out", default=None, help="write the figures as JSON here")
+    lt.add_argument(
+        "--ray",
+        default=None,
+        metavar="local|auto|HOST:PORT",
+        help="start the app with its documents on Ray Serve replicas (app.py --ray); 'local': a private cluster here",
+    )
+    lt.add_argument("--replicas", type=int, default=2, help="with --ray: document workers")
 
     c = sub.add_parser("calibrate", help="fit the adaptive K-Means iteration rule on this machine")
     c.add_argument("--model", default="default")

@@ -1,13 +1,15 @@
 """Load test: N concurrent gradio_client users against a local app for a bounded time.
 
 python -m pqcache loadtest --clients 6 --duration 120 [--url URL] [--app-args "--max-cache-gib 0.1"]
+                           [--ray local|auto|HOST:PORT --replicas N]
 
 Without --url it starts `python app.py` itself (so it can read the server's memory and threads from
 /proc). Each user repeats a random mix: load a document, ask (some answers stopped halfway), send
 bad input, unload. Every request must end with a result or a readable message within
 --request-timeout; anything else (an exception, a traceback, a timeout) is a failure. After the
 users end, it waits for the server's caches to drain and compares resident memory, threads and
-child processes with the baseline taken after one warm-up user.
+child processes with the baseline taken after one warm-up user. With --ray the app serves the documents from
+Ray Serve replicas (docs/scaling.md); their resident memory comes from the app's /server_status.
 """
 
 from __future__ import annotations
@@ -203,6 +205,7 @@ def run(
         warm._call("unload", lambda: warm.client.predict(api_name="/unload_document")[0])
         _drain(admin, drain_timeout, floor)
         before = proc_status(proc.pid) if proc else None
+        replicas_before = replicas_rss(admin.predict(api_name="/server_status"))
         peak = dict(before or {})
         done = threading.Event()
 
@@ -212,13 +215,14 @@ def run(
                     now = proc_status(proc.pid)
                     for key in now:
                         peak[key] = max(peak.get(key, 0), now[key])
-                peak["cache_mib"] = max(
-                    peak.get("cache_mib", 0), admin.predict(api_name="/server_status")["cache_bytes"] / 2**20
-                )
+                status = admin.predict(api_name="/server_status")
+                peak["cache_mib"] = max(peak.get("cache_mib", 0), status["cache_bytes"] / 2**20)
+                if "workers" in status:
+                    peak["replicas_rss_mib"] = max(peak.get("replicas_rss_mib", 0), replicas_rss(status))
 
         watcher = threading.Thread(target=monitor, daemon=True)
         watcher.start()
-        users, after, hung, drained, t0 = [], [], 0, True, time.perf_counter()
+        users, after, replicas_after, hung, drained, t0 = [], [], [], 0, True, time.perf_counter()
         for r in range(rounds):
             group = [User(url, seed + 100 * r + i, request_timeout, bad_files) for i in range(clients)]
             users += group
@@ -232,6 +236,7 @@ def run(
             drained &= _drain(admin, drain_timeout, floor)
             if proc:
                 after.append(proc_status(proc.pid))
+            replicas_after.append(replicas_rss(admin.predict(api_name="/server_status")))
         wall = time.perf_counter() - t0
         done.set()
         watcher.join()
@@ -260,9 +265,19 @@ def run(
         "server_peak": peak,
         "server_after_rounds": after,
         "server_summary_after": summary,
+        "replicas_rss_mib": None
+        if replicas_before is None
+        else [replicas_before, peak.get("replicas_rss_mib")] + replicas_after,
         "messages": _message_counts(records),
         "failure_replies": [r["reply"] for r in records if r["outcome"] == "failure"][:20],
     }
+
+
+def replicas_rss(status: dict) -> float | None:
+    """The Ray replicas' resident memory added up (MiB), from the app's /server_status; None without --ray."""
+    if "workers" not in status:
+        return None
+    return round(sum(w.get("rss_mib") or 0 for w in status["workers"] if w.get("up")), 1)
 
 
 def _message_counts(records) -> dict:
@@ -322,6 +337,13 @@ def format_report(r: dict) -> str:
             + " | ".join("0" if r["caches_drained"] else "?" for _ in after)
             + " |"
         )
+    if r.get("replicas_rss_mib"):
+        base, peak, *after = r["replicas_rss_mib"]
+        lines.append(
+            f"| Ray replicas' resident memory (MiB, added up) | {base:.0f} | {peak or base:.0f} | "
+            + " | ".join(f"{a:.0f}" for a in after)
+            + " |"
+        )
     lines += ["| readable message (first words) | n |", "|---|---|"]
     lines += [f"| {m} | {n} |" for m, n in r["messages"].items()]
     for reply in r["failure_replies"]:
@@ -330,11 +352,14 @@ def format_report(r: dict) -> str:
 
 
 def main(args) -> int:
+    app_args = args.app_args.split() if args.app_args else []
+    if getattr(args, "ray", None):
+        app_args += ["--ray", args.ray, "--replicas", str(args.replicas)]
     report = run(
         args.clients,
         args.duration,
         args.url,
-        args.app_args.split() if args.app_args else None,
+        app_args or None,
         args.request_timeout,
         seed=args.seed,
         rounds=args.rounds,

@@ -1,0 +1,297 @@
+"""The app's side of a Ray cluster: the Q&A tab's worker calls (pqcache/serving/worker.py), each sent to the
+replica that holds the user's document.
+
+Affinity: the launcher deploys one Serve deployment per replica, so a deployment's handle reaches exactly one
+replica. A user's first load goes to the live replica with the fewest of this app's documents; from then on every
+call of that user goes to that replica's handle (`home`), with the incarnation that loaded the document.
+
+Replica loss: a call that fails because the replica died, or that reaches the replica Serve started in its place
+(another incarnation), means the user's document is gone. Every user whose document lived there is told, once, "your
+document was unloaded ...; load it again" (the page's notice poll, the status line, a question), and their next load
+goes to a live replica. Users on other replicas are not affected.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from pqcache.cluster.views import RemoteDocument, ReplicaError, error_of
+from pqcache.engine.errors import PQCacheError, SessionEvictedError
+
+CALL_TIMEOUT_S = 10.0  # a quick call (stop, notice, status) to a replica that does not answer in this is down
+PROBE_TIMEOUT_S = 2.0  # placing a load: a replica marked down is asked again, this long
+LOST = "your document was unloaded: the worker holding it (replica {index}) stopped; load it again"
+
+
+class ReplicaDown(Exception):
+    """A replica died, or does not answer."""
+
+
+def ray_failures() -> tuple:
+    """The exceptions that mean a replica is gone or unreachable."""
+    from ray.exceptions import RayActorError, RayError
+
+    return (RayActorError, RayError, TimeoutError)
+
+
+@dataclass
+class Replica:
+    index: int
+    handle: object  # the DeploymentHandle of this replica's deployment
+    down: bool = False
+
+    def call(self, method: str, *args, timeout_s: float = CALL_TIMEOUT_S):
+        try:
+            return getattr(self.handle, method).remote(*args).result(timeout_s=timeout_s)
+        except ray_failures() as exc:
+            self.down = True
+            raise ReplicaDown(f"replica {self.index}: {type(exc).__name__}") from exc
+
+    def stream(self, method: str, *args):
+        """The replica's stream; ReplicaDown if it dies meanwhile."""
+        try:
+            yield from getattr(self.handle.options(stream=True), method).remote(*args)
+        except ray_failures() as exc:
+            self.down = True
+            raise ReplicaDown(f"replica {self.index}: {type(exc).__name__}") from exc
+
+
+class ForwardedStop(threading.Event):
+    """A user's stop event whose set and clear also reach the replica holding their document."""
+
+    def __init__(self, forward):
+        super().__init__()
+        self._forward = forward
+
+    def set(self):
+        super().set()
+        self._forward("stop")
+
+    def clear(self):
+        super().clear()
+        self._forward("clear_stop")
+
+
+@dataclass
+class UserEntry:
+    stop: ForwardedStop
+    busy: int = 0  # this user's requests in flight through this app
+
+
+@dataclass
+class Home:
+    replica: Replica
+    incarnation: str
+    document: RemoteDocument | None = field(default=None)
+
+
+def cluster_summary(replicas: list[Replica]) -> dict:
+    """Users with a document, users being served, cache bytes and the cap: the replicas' added up; and each
+    replica's own figures ("workers": its users, cache bytes, resident memory; up or not)."""
+    total = {"users": 0, "busy": 0, "cache_bytes": 0, "max_bytes": 0, "replicas": len(replicas), "up": 0}
+    workers = []
+    for replica in replicas:
+        try:
+            s = replica.call("summary", timeout_s=PROBE_TIMEOUT_S)
+        except ReplicaDown:
+            workers.append({"index": replica.index, "up": False})
+            continue
+        replica.down = False
+        total["up"] += 1
+        for key in ("users", "busy", "cache_bytes", "max_bytes"):
+            total[key] += s[key]
+        workers.append({"index": replica.index, "up": True, **s})
+    return {**total, "workers": workers}
+
+
+class ClusterDocuments:
+    """The Q&A tab's worker on a Ray cluster (see the module's doc)."""
+
+    def __init__(self, handles: list):
+        self.replicas = [Replica(i, h) for i, h in enumerate(handles)]
+        self.homes: dict[str, Home] = {}  # user -> where their document lives (or is being loaded)
+        self.lost: dict[str, str] = {}  # user -> why their document is gone, until they load or unload
+        self.untold: set[str] = set()  # users whose page has not shown that yet
+        self.entries: dict[str, UserEntry] = {}
+        self.lock = threading.RLock()
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+    def entry(self, user: str) -> UserEntry:
+        with self.lock:
+            if user not in self.entries:
+                self.entries[user] = UserEntry(ForwardedStop(lambda op: self._forward(user, op)))
+            return self.entries[user]
+
+    @contextmanager
+    def use(self, user: str):
+        entry = self.entry(user)
+        with self.lock:
+            entry.busy += 1
+        try:
+            yield entry
+        finally:
+            with self.lock:
+                entry.busy -= 1
+
+    def _forward(self, user: str, op: str):
+        home = self.homes.get(user)
+        if home is not None:
+            try:
+                home.replica.call(op, user)
+            except ReplicaDown:
+                self._lose(home)
+
+    def _lose(self, home: Home):
+        """The replica of `home` died (or restarted): every user whose document lived in that incarnation is told."""
+        with self.lock:
+            for user, h in list(self.homes.items()):
+                if h.replica is home.replica and h.incarnation == home.incarnation:
+                    del self.homes[user]
+                    self.lost[user] = LOST.format(index=home.replica.index)
+                    self.untold.add(user)
+
+    # ---- the user's document -----------------------------------------------------------------------------
+    def session(self, user: str, slot: str = "qa"):
+        """The user's document on its replica (RemoteDocument), None, or SessionEvictedError saying why it is gone."""
+        home = self.homes.get(user)
+        if home is not None:
+            known = home.document.doc if home.document is not None else None
+            try:
+                reply = home.replica.call("document", user, home.incarnation, known)
+            except ReplicaDown:
+                reply = {"lost": True}
+            if reply.get("lost"):
+                self._lose(home)
+            elif reply["state"] == "freed":
+                raise SessionEvictedError(reply["why"])
+            elif reply["state"] == "none":
+                return None
+            else:
+                if "view" in reply:
+                    home.document = RemoteDocument(reply["view"], self._asker(user, home))
+                return home.document
+        with self.lock:
+            why = self.lost.get(user)
+            self.untold.discard(user)
+        if why is not None:
+            raise SessionEvictedError(why)
+        return None
+
+    def notice(self, user: str) -> str | None:
+        """What the user has not been told yet: their replica died, or it freed their document."""
+        home = self.homes.get(user)
+        if home is not None:
+            try:
+                reply = home.replica.call("notice", user, home.incarnation)
+            except ReplicaDown:
+                reply = {"lost": True}
+            if reply.get("lost"):
+                self._lose(home)
+            else:
+                return reply["notice"]
+        with self.lock:
+            if user in self.untold:
+                self.untold.discard(user)
+                return self.lost.get(user)
+        return None
+
+    def free(self, user: str, slot: str = "qa"):
+        self._drop(user, "free")
+
+    def end(self, user: str):
+        self._drop(user, "end")
+        with self.lock:
+            self.entries.pop(user, None)
+
+    def _drop(self, user: str, op: str):
+        with self.lock:
+            home = self.homes.pop(user, None)
+            self.lost.pop(user, None)
+            self.untold.discard(user)
+        if home is not None:
+            try:
+                home.replica.call(op, user)
+            except ReplicaDown:
+                self._lose(home)
+
+    def summary(self) -> dict:
+        return cluster_summary(self.replicas)
+
+    # ---- loading and asking ------------------------------------------------------------------------------
+    def _place(self, user: str) -> Replica:
+        """The replica for the user's load: where their document is, else the live one with fewest documents."""
+        home = self.homes.get(user)
+        if home is not None and not home.replica.down:
+            return home.replica
+        with self.lock:
+            load = {r.index: 0 for r in self.replicas}
+            for h in self.homes.values():
+                load[h.replica.index] += 1
+        for replica in sorted(self.replicas, key=lambda r: (r.down, load[r.index], r.index)):
+            if replica.down:  # ask again: Serve may have started its replacement
+                try:
+                    replica.call("hello", timeout_s=PROBE_TIMEOUT_S)
+                except ReplicaDown:
+                    continue
+                replica.down = False
+            return replica
+        raise PQCacheError("no worker is running right now: try again in a moment")
+
+    def load(self, user: str, name: str, text: str, settings, progress=None, stop: threading.Event | None = None):
+        """Prefill the document on the user's replica; returns its RemoteDocument. A Stop reaches the replica
+        through the user's stop event; a replica that dies meanwhile is reported as an error."""
+        replica = self._place(user)
+        forwarded = False
+        try:
+            for part in replica.stream("load", user, name, text, settings):
+                if "incarnation" in part:
+                    with self.lock:
+                        old = self.homes.get(user)
+                        if old is not None and (old.replica is not replica or old.incarnation != part["incarnation"]):
+                            self._lose(old)  # its replica restarted: the old document is gone
+                        self.homes[user] = Home(replica, part["incarnation"])
+                        self.lost.pop(user, None)
+                        self.untold.discard(user)
+                if stop is not None and stop.is_set() and not forwarded:  # pressed before the replica was known
+                    forwarded = True
+                    self._forward(user, "stop")
+                if "progress" in part and progress is not None:
+                    progress(*part["progress"])
+                if "error" in part:
+                    raise error_of(part)
+                if "view" in part:
+                    home = self.homes[user]
+                    home.document = RemoteDocument(part["view"], self._asker(user, home))
+                    return home.document
+        except ReplicaDown:
+            home = self.homes.get(user)
+            if home is not None and home.replica is replica:
+                self._lose(home)
+            raise ReplicaError(
+                f"the worker loading the document (replica {replica.index}) stopped: load it again"
+            ) from None
+        raise ReplicaError("the worker ended the load without a result")
+
+    def _asker(self, user: str, home: Home):
+        def ask(question, method, max_new_tokens, observe):
+            try:
+                for part in home.replica.stream(
+                    "ask", user, home.incarnation, question, method, max_new_tokens, observe
+                ):
+                    if part.get("lost"):
+                        raise ReplicaDown("another incarnation")
+                    yield part
+            except ReplicaDown:
+                self._lose(home)
+                with self.lock:
+                    self.untold.discard(user)  # the chat tells them now
+                raise SessionEvictedError(LOST.format(index=home.replica.index)) from None
+
+        return ask
+
+    def replica_of(self, user: str) -> int | None:
+        """The index of the replica holding the user's document (None: none)."""
+        home = self.homes.get(user)
+        return None if home is None else home.replica.index

@@ -1,0 +1,90 @@
+"""The document worker: one model and its session pool, behind the few calls the Q&A tab makes.
+
+The app's Q&A tab talks to a worker, never to the model: in one process it is this DocumentWorker; on a Ray
+cluster (pqcache/cluster/) it is a client with the same calls whose documents live on replicas, each replica
+holding a DocumentWorker of its own. The calls:
+
+  entry(user).stop / .busy, use(user)  the user's stop event and requests in flight
+  load(user, name, text, settings, progress, stop) -> session   prefill a document into the user's "qa" slot
+  session(user)                        the loaded session, None, or SessionEvictedError (why it was freed)
+  notice(user), free(user), end(user), summary()
+"""
+
+from __future__ import annotations
+
+import threading
+
+from pqcache.serving.pool import SessionPool
+from pqcache.serving.session import DocumentSession
+from pqcache.serving.settings import LoadSettings
+
+SLOT = "qa"
+
+
+class DocumentWorker:
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        pool: SessionPool,
+        pq_timeout_s: float | None = 120.0,
+        max_document_tokens: int | None = None,
+    ):
+        self.model, self.tokenizer, self.pool = model, tokenizer, pool
+        self.pq_timeout_s, self.max_document_tokens = pq_timeout_s, max_document_tokens
+
+    # ---- the pool's bookkeeping, as the tab uses it ---------------------------------------------------
+    def entry(self, user: str):
+        return self.pool.entry(user)
+
+    def use(self, user: str):
+        return self.pool.use(user)
+
+    def session(self, user: str, slot: str = SLOT):
+        return self.pool.session(user, slot)
+
+    def notice(self, user: str) -> str | None:
+        return self.pool.notice(user)
+
+    def free(self, user: str, slot: str = SLOT):
+        self.pool.free(user, slot)
+
+    def end(self, user: str):
+        self.pool.end(user)
+
+    def summary(self) -> dict:
+        return self.pool.summary()
+
+    # ---- a document ------------------------------------------------------------------------------------
+    def load(
+        self,
+        user: str,
+        name: str,
+        text: str,
+        settings: LoadSettings,
+        progress=None,
+        stop: threading.Event | None = None,
+    ) -> DocumentSession:
+        """Prefill `text` as the user's active document. Settings and text are checked first (a bad one leaves the
+        previous document in place); then the pool frees the previous document and makes room, or refuses. Raises
+        what is wrong (Cancelled when `stop` was set); the reservation is then given back."""
+        config = settings.to_config(pq_timeout_s=self.pq_timeout_s)
+        session = DocumentSession(
+            self.model, self.tokenizer, config, method=settings.method, max_tokens=self.max_document_tokens
+        )
+        session.name = name
+        if progress is not None:
+            progress(0.0, "tokenizing")
+        try:
+            session.info = session.load(
+                text,
+                progress=progress,
+                stop=stop,
+                truncate=settings.truncate,
+                reserve=lambda n: self.pool.reserve(user, SLOT, n),
+            )
+        except BaseException:
+            self.pool.unreserve(user, SLOT)
+            raise
+        self.pool.store(user, SLOT, session)
+        return session
