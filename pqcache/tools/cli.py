@@ -252,34 +252,13 @@ def _table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def cmd_e2e(args) -> int:
-    from pqcache.tools import e2e
-
-    rows = e2e.bench_e2e(
-        model=args.model,
-        seq_lens=args.seq_lens or e2e.SEQ_LENS,
-        runners=tuple(r.strip() for r in args.runners.split(",") if r.strip()),
-        dtype=args.dtype,
-        decode_tokens=args.decode_tokens,
-        repeats=args.repeats or 1,
-        threads=args.threads,
-        n_batch=args.n_batch or e2e.LLAMA_N_BATCH,
-        chunk_tokens=args.chunk_tokens,
-        gguf=args.gguf,
-        progress=_stderr,
-    )
-    if args.json:
-        print(json.dumps({"rows": rows}))
-    else:
-        e2e.print_table(rows)
-    return 0
-
-
 def cmd_bench(args) -> int:
     from pqcache.tools import bench
 
     if args.which == "e2e":
-        return cmd_e2e(args)
+        from pqcache.tools.e2e import cli_e2e
+
+        return cli_e2e(args)
     kw = {}
     if args.seq_lens:
         kw["seq_lens"] = args.seq_lens

@@ -177,3 +177,25 @@ def print_table(rows: list[dict]) -> None:
             f"{r['peak_rss_bytes'] / 2**20:>6.0f} {r.get('prefill_vs_llama', '-'):>9} "
             f"{r.get('decode_vs_llama', '-'):>9} {r.get('tokens_as_full', '-')}"
         )
+
+
+def cli_e2e(args) -> int:
+    """`python -m pqcache bench e2e ...` (flags in cli.py)."""
+    rows = bench_e2e(
+        model=args.model,
+        seq_lens=args.seq_lens or SEQ_LENS,
+        runners=tuple(r.strip() for r in args.runners.split(",") if r.strip()),
+        dtype=args.dtype,
+        decode_tokens=args.decode_tokens,
+        repeats=args.repeats or 1,
+        threads=args.threads,
+        n_batch=args.n_batch or LLAMA_N_BATCH,
+        chunk_tokens=args.chunk_tokens,
+        gguf=args.gguf,
+        progress=lambda msg: print(msg, file=sys.stderr),
+    )
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    else:
+        print_table(rows)
+    return 0

@@ -100,15 +100,16 @@ def run_llama(spec: dict, ids: list[int]) -> dict:
         n_threads=spec["threads"],
         n_threads_batch=spec["threads"],
         flash_attn=True,
+        swa_full=False,  # sliding-window layers keep their window only, as llama.cpp's own CLI and server do
         verbose=False,
     )
+    n_vocab = llm.n_vocab()
 
-    def logits_argmax() -> int:
-        return int(np.argmax(llm._ctx.get_logits_ith(-1)[: llm.n_vocab()]))
+    def logits_argmax() -> int:  # the last evaluated token's logits (the only ones kept)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
 
     def run(prompt: list[int], n_new: int) -> tuple[float, list[int], list[float]]:
-        llm.reset()
-        llm._ctx.kv_cache_clear()
+        llm.reset()  # eval() then drops the cached positions from 0 on
         t0 = time.perf_counter()
         llm.eval(prompt)
         prefill_s = time.perf_counter() - t0
