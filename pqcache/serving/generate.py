@@ -29,7 +29,8 @@ def make_cache(model, method: str, config: PQCacheConfig | None = None):
 # Prompt tokens per prefill forward. One forward over S tokens makes every sliding-window layer (15 of
 # Gemma 3's 18) compute a full S x S masked attention and holds S x S masks; chunks keep those layers
 # banded (chunk x (window + chunk)) and the prefill's working memory bounded by the chunk, not by S.
-PREFILL_CHUNK_TOKENS = 2048
+# Bundled model, 8K tokens, bf16, 2 cores: one forward 224 tok/s; chunks of 1024: 607, 2048: 433, 4096: 387.
+PREFILL_CHUNK_TOKENS = 1024
 
 
 @torch.no_grad()
