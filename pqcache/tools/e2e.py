@@ -22,7 +22,7 @@ from pqcache.serving.loading import DEFAULT_NAMES
 
 RUNNERS = ("llama.cpp", "full", "pqcache")
 SEQ_LENS = (1024, 4096, 8192, 16384, 32768)
-LLAMA_N_BATCH = 512  # the best of 256..4096 on the reference machine (docs/benchmarks.md)
+LLAMA_N_BATCH = 512  # the best of 256, 512, 1024, 2048 for an 8K prefill on the reference machine (docs/benchmarks.md)
 
 
 def llama_cpp_installed() -> bool:
