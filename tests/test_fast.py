@@ -79,11 +79,12 @@ def test_full_budget_equals_full_attention_in_bf16(arch):
 def test_resolve_dtype(monkeypatch):
     assert fast.resolve_dtype("float32") == torch.float32
     assert fast.resolve_dtype(torch.bfloat16) == torch.bfloat16
-    assert fast.resolve_dtype("auto", "cuda") == torch.bfloat16
+    assert fast.resolve_dtype("auto", "cuda") == torch.bfloat16 and fast.resolve_dtype(None, "cuda") == torch.bfloat16
     monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: False)
-    assert fast.resolve_dtype("auto") == torch.float32 and fast.resolve_dtype(None) == torch.float32
+    assert fast.resolve_dtype("auto") == torch.float32
     monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: True)
     assert fast.resolve_dtype("auto") == torch.bfloat16
+    assert fast.resolve_dtype(None) == torch.float32  # the default on a CPU, native bf16 or not
     with pytest.raises(ValueError, match="dtype must be one of"):
         fast.resolve_dtype("float16")
 

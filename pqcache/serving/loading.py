@@ -91,8 +91,8 @@ def prepare_default_model(progress=print) -> Path:
 
 
 def load_model(name_or_path: str | None = None, device: str = "auto", dtype=None, device_map=None, progress=print):
-    """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M. dtype: "auto" (None),
-    "float32", "bfloat16" or a torch.dtype (see pqcache.serving.fast)."""
+    """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M. dtype: None (float32 on a CPU,
+    bf16 on CUDA), "auto" (bf16 where the CPU has native bf16), "float32", "bfloat16" or a torch.dtype (fast.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path in DEFAULT_NAMES:
@@ -108,7 +108,7 @@ def load_model(name_or_path: str | None = None, device: str = "auto", dtype=None
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} has no config.json: it is not a transformers model folder")
     device = _resolve_device(device)
-    kwargs = {"dtype": resolve_dtype(dtype, device)}  # None/"auto": bf16 where the device computes it natively
+    kwargs = {"dtype": resolve_dtype(dtype, device)}  # None: float32 on a CPU, bf16 on CUDA (fast.py)
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:

@@ -69,7 +69,7 @@ def bench_e2e(
     model: str = "default",
     seq_lens=SEQ_LENS,
     runners=RUNNERS,
-    dtype: str = "auto",
+    dtype: str | None = None,
     decode_tokens: int = 32,
     repeats: int = 1,
     threads: int | None = None,
