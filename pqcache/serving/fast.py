@@ -51,8 +51,8 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def physical_cores() -> int:
-    """CPU cores this process may run on (the affinity mask: a container's share, not the host's)."""
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container's share, not the host's)."""
     try:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not Linux

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from pqcache.serving.fast import dtype_name, physical_cores, resolve_dtype
+from pqcache.serving.fast import available_cpus, dtype_name, resolve_dtype
 from pqcache.serving.loading import DEFAULT_NAMES
 
 RUNNERS = ("llama.cpp", "full", "pqcache")
@@ -90,7 +90,7 @@ def bench_e2e(
     is_default = model in DEFAULT_NAMES
     path = prepare_default_model(lambda *_: None) if is_default else Path(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
-    threads = threads or physical_cores()
+    threads = threads or available_cpus()
     llama_note = None
     if "llama.cpp" in runners:
         if not llama_cpp_installed():
