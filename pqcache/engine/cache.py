@@ -55,7 +55,7 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
         out = sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
-        layer.finish_prefill(
+        layer.end_prefill_chunk(
             _valid_from_mask(attention_mask, B, key.shape[2], key.device),
             query if layer.keep_queries else None,
             scaling,
@@ -181,6 +181,12 @@ class PQCache(Cache):
         layer = self.layers[layer_idx]
         _active.layer = layer if isinstance(layer, PQLayer) else None
         return layer.update(key_states, value_states, *args, **kwargs)
+
+    def expect_prefill(self, n_tokens: int):
+        """A prefill of n_tokens is coming in several forwards (chunks): each layer keeps attending exactly to
+        everything stored and splits its tiers (PQ: starts K-Means) only once it holds all n_tokens."""
+        for layer in self.pq_layers:
+            layer.prefill_until = n_tokens
 
     def wait(self, stop=None):
         """Block until every layer's PQ is built or has failed (a set `stop` event raises Cancelled)."""

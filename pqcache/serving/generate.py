@@ -26,10 +26,34 @@ def make_cache(model, method: str, config: PQCacheConfig | None = None):
     return PQCache(model, config or PQCacheConfig(), method=method)
 
 
+# Prompt tokens per prefill forward. One forward over S tokens makes every sliding-window layer (15 of
+# Gemma 3's 18) compute a full S x S masked attention and holds S x S masks; chunks keep those layers
+# banded (chunk x (window + chunk)) and the prefill's working memory bounded by the chunk, not by S.
+# Bundled model, 8K tokens, bf16, 2 cores: one forward 224 tok/s; chunks of 1024: 607, 2048: 433, 4096: 387.
+PREFILL_CHUNK_TOKENS = 1024
+
+
 @torch.no_grad()
-def prefill(model, input_ids: torch.Tensor, cache) -> torch.Tensor:
-    """input_ids (B, S) -> next-token logits (B, V)."""
-    return model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+def prefill(
+    model, input_ids: torch.Tensor, cache, chunk_tokens: int | None = PREFILL_CHUNK_TOKENS, on_chunk=None
+) -> torch.Tensor:
+    """input_ids (B, S) -> next-token logits (B, V). A prompt into an empty cache runs in chunks of
+    `chunk_tokens` (None or 0: one forward); the result equals the one-forward prefill's (each chunk
+    attends to every earlier token, exactly). on_chunk(i, n) is called before chunk i of n."""
+    S = input_ids.shape[1]
+    if not chunk_tokens or S <= chunk_tokens or cache.get_seq_length() > 0:
+        if on_chunk is not None:
+            on_chunk(0, 1)
+        return model(input_ids=input_ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]
+    if isinstance(cache, PQCache):
+        cache.expect_prefill(S)  # the PQ layers split their tiers after the last chunk
+    starts = range(0, S, chunk_tokens)
+    for i, start in enumerate(starts):
+        if on_chunk is not None:
+            on_chunk(i, len(starts))
+        chunk = input_ids[:, start : start + chunk_tokens]
+        logits = model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1).logits
+    return logits[:, -1]
 
 
 @torch.no_grad()

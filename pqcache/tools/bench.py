@@ -181,6 +181,7 @@ def bench_ttft(model, tokenizer, seq_lens=(8192,), config: PQCacheConfig | None 
     from transformers import DynamicCache
 
     from pqcache.engine.cache import PQCache
+    from pqcache.serving.generate import prefill
 
     config = config or PQCacheConfig()
     device = next(model.parameters()).device
@@ -191,11 +192,11 @@ def bench_ttft(model, tokenizer, seq_lens=(8192,), config: PQCacheConfig | None 
         full, pqs, info = [], [], {}
         for _ in range(repeats):
             t0 = time.perf_counter()
-            model(ids, cache=DynamicCache(config=model.config), logits_to_keep=1).logits.argmax(-1)
+            prefill(model, ids, DynamicCache(config=model.config)).argmax(-1)
             full.append(time.perf_counter() - t0)
             cache = PQCache(model, config)
             t0 = time.perf_counter()
-            model(ids, cache=cache, logits_to_keep=1).logits.argmax(-1)
+            prefill(model, ids, cache).argmax(-1)
             prefill_s = time.perf_counter() - t0
             cache.wait()
             pqs.append(time.perf_counter() - t0)

@@ -19,6 +19,7 @@ from transformers import DynamicCache
 from pqcache.engine.cache import PQCache
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.iters import calibration_path, t_max
+from pqcache.serving.generate import prefill
 
 
 def fit_prefill(points: list[tuple[int, float]]) -> dict:
@@ -66,11 +67,11 @@ def calibrate(
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            model(ids, cache=DynamicCache(config=model.config), logits_to_keep=1)
+            prefill(model, ids, DynamicCache(config=model.config))  # the prefill the app runs (in chunks)
             times.append(time.perf_counter() - t0)
         prefill_pts.append((s, min(times)))
         cache = PQCache(model, PQCacheConfig(**{**config.to_dict(), "kmeans_iters": iters[0]}))
-        model(ids, cache=cache, logits_to_keep=1)
+        prefill(model, ids, cache)
         cache.wait()
         for T in iters:  # the real build on the real keys, timed alone
             t0 = time.perf_counter()

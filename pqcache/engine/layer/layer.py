@@ -63,6 +63,10 @@ class PQLayer(CacheLayerMixin):
         self.window: DeviceWindow | None = None
         self.method_state: dict = {}  # per-layer state of the method (a method is shared by the layers)
         self.prefilled = False
+        # A prefill in chunks (generate.prefill): the tiers split once the layer holds this many tokens;
+        # until then each chunk attends exactly to every token stored so far. 0: after the first forward.
+        self.prefill_until = 0
+        self.prefill_queries: list[torch.Tensor] = []  # the chunks' queries, kept until the prefill ends
         self.pending: tuple[torch.Tensor, torch.Tensor] | None = None
         self.closed = threading.Event()  # set by PQCache.close(): background work stops
         self.fallback: str | None = None  # why this layer attends to every token (a failed PQ build)
@@ -84,7 +88,9 @@ class PQLayer(CacheLayerMixin):
         if key_states.shape[0] != self.host.B:
             raise InputError(f"PQCache was filled with batch size {self.host.B}, got {key_states.shape[0]}")
         if not self.prefilled:  # prefill: exact attention over what is returned; the tiers split in finish_prefill
-            self._store(key_states, value_states)
+            start = self._store(key_states, value_states)
+            if start > 0:  # a later chunk of a chunked prefill attends to the earlier chunks too
+                return self.host.keys(0, self.S, self.device), self.host.values(0, self.S, self.device)
         else:
             self.pending = (key_states, value_states)
         return key_states, value_states
@@ -134,6 +140,16 @@ class PQLayer(CacheLayerMixin):
         if self.obs is not None:
             self.obs.moved("to_host", 2 * k.numel() * k.element_size())
         return start
+
+    def end_prefill_chunk(self, valid: torch.Tensor, query: torch.Tensor | None, scaling: float):
+        """After a prefill forward: valid (B, S) bool of every token so far, query (B, Hq, Q, D) the chunk's
+        queries (None when not kept). The last chunk (S >= prefill_until) finishes the prefill."""
+        if query is not None:
+            self.prefill_queries.append(query)
+        if self.S >= self.prefill_until:
+            queries, self.prefill_queries = self.prefill_queries, []
+            query = None if not queries else queries[0] if len(queries) == 1 else torch.cat(queries, dim=2)
+            self.finish_prefill(valid, query, scaling)
 
     def finish_prefill(self, valid: torch.Tensor, query: torch.Tensor | None = None, scaling: float = 1.0):
         """valid (B, S) bool: real (not padding) tokens of the prefill; query (B, Hq, S, D) its queries.

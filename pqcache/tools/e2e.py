@@ -1,0 +1,201 @@
+"""`bench e2e`: the whole model end to end (prefill tok/s, decode ms/token, peak RSS) with full attention
+and PQCache, against llama.cpp on the same GGUF, the same token ids and the same threads, in one run.
+
+Each (length, runner) runs in its own process (e2e_runner.py) so that its peak memory is its own; the
+runners take turns at each length (interleaved), so drifts in the machine's speed hit them alike.
+llama.cpp is an optional extra (`pip install -r requirements-bench.txt`); without it its rows say so.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from pqcache.serving.fast import available_cpus, dtype_name, resolve_dtype
+from pqcache.serving.loading import DEFAULT_NAMES
+
+RUNNERS = ("llama.cpp", "full", "pqcache")
+SEQ_LENS = (1024, 4096, 8192, 16384, 32768)
+LLAMA_N_BATCH = 512  # the best of 256, 512, 1024, 2048 for an 8K prefill on the reference machine (docs/benchmarks.md)
+
+
+def llama_cpp_installed() -> bool:
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def prompt_ids(tokenizer, n: int) -> list[int]:
+    """n token ids of a long English document (the passkey filler), BOS first: every runner gets these."""
+    from pqcache.tools.bench import _ids
+
+    return _ids(tokenizer, n)[0].tolist()
+
+
+def run_in_process(spec: dict) -> dict:
+    """One runner in a fresh Python process -> its row (RuntimeError with its stderr when it fails)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "pqcache.tools.e2e_runner", f.name],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
+    finally:
+        Path(f.name).unlink(missing_ok=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec['runner']} at {len(spec['ids'])} tokens failed:\n{proc.stderr[-2000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_inline(spec: dict) -> dict:
+    """One runner in this process (tests: no fresh interpreter; its peak memory is the whole process's)."""
+    from pqcache.tools import e2e_runner
+
+    spec = dict(spec)
+    ids = spec.pop("ids")
+    if spec["runner"] == "llama.cpp":
+        return e2e_runner.run_llama(spec, ids)
+    return e2e_runner.run_torch(spec, ids)
+
+
+def bench_e2e(
+    model: str = "default",
+    seq_lens=SEQ_LENS,
+    runners=RUNNERS,
+    dtype: str | None = None,
+    decode_tokens: int = 32,
+    repeats: int = 1,
+    threads: int | None = None,
+    n_batch: int = LLAMA_N_BATCH,
+    chunk_tokens: int | None = None,
+    gguf: str | None = None,
+    isolate: bool = True,
+    progress=None,
+) -> list[dict]:
+    """Rows {seq_len, runner, prefill_tok_s, decode_ms, peak_rss_bytes, ...} per length and runner (the
+    median over `repeats` turns), with the ratios against llama.cpp at the same length when it ran:
+    prefill_vs_llama (tokens/s: higher is better) and decode_vs_llama (ms/token: lower is better)."""
+    from transformers import AutoTokenizer
+
+    from pqcache.serving.generate import PREFILL_CHUNK_TOKENS
+    from pqcache.serving.loading import default_gguf, prepare_default_model
+
+    is_default = model in DEFAULT_NAMES
+    path = prepare_default_model(lambda *_: None) if is_default else Path(model)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    threads = threads or available_cpus()
+    llama_note = None
+    if "llama.cpp" in runners:
+        if not llama_cpp_installed():
+            llama_note = "not installed (pip install -r requirements-bench.txt)"
+        elif gguf is None and not is_default:
+            llama_note = "no GGUF for this model (--gguf)"
+        else:
+            gguf = str(gguf or default_gguf(lambda *_: None))
+    common = {
+        "model": str(path),
+        "dtype": dtype_name(resolve_dtype(dtype)),
+        "threads": threads,
+        "decode_tokens": decode_tokens,
+        "chunk_tokens": chunk_tokens or PREFILL_CHUNK_TOKENS,
+        "gguf": gguf,
+        "n_batch": n_batch,
+    }
+    run = run_in_process if isolate else run_inline
+    rows = []
+    for s in seq_lens:
+        ids = prompt_ids(tokenizer, s)
+        results: dict[str, list[dict]] = {r: [] for r in runners}
+        for turn in range(repeats):
+            order = runners[turn % len(runners) :] + runners[: turn % len(runners)]  # who goes first rotates
+            for runner in order:
+                if runner == "llama.cpp" and llama_note:
+                    continue
+                if progress is not None:
+                    progress(f"{runner} at {s} tokens (turn {turn + 1}/{repeats})")
+                results[runner].append(run({**common, "runner": runner, "ids": ids}))
+        rows += summarize(s, results, llama_note, common)
+    return rows
+
+
+def summarize(seq_len: int, results: dict[str, list[dict]], llama_note: str | None, common: dict) -> list[dict]:
+    """The median of each runner's turns, the ratios against llama.cpp, and how many of the greedy tokens
+    agree with full attention's (the same model and dtype: a check that the fast paths kept the output)."""
+    rows = {}
+    for runner, runs in results.items():
+        row = {"seq_len": seq_len, "runner": runner, "prefill_tok_s": None, "decode_ms": None, "peak_rss_bytes": None}
+        if runs:
+            row["prefill_tok_s"] = round(statistics.median(r["prefill_tok_s"] for r in runs), 1)
+            row["decode_ms"] = round(statistics.median(r["decode_ms"] for r in runs), 2)
+            row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)
+            row["tokens"] = runs[0]["tokens"]
+            row["settings"] = describe(runner, common)
+        elif runner == "llama.cpp":
+            row["note"] = llama_note
+        rows[runner] = row
+    llama, full = rows.get("llama.cpp"), rows.get("full")
+    for row in rows.values():
+        if row["runner"] != "llama.cpp" and llama and llama["prefill_tok_s"]:
+            row["prefill_vs_llama"] = round(row["prefill_tok_s"] / llama["prefill_tok_s"], 2)
+            row["decode_vs_llama"] = round(row["decode_ms"] / llama["decode_ms"], 2)
+        if full and full.get("tokens") and row.get("tokens"):
+            row["tokens_as_full"] = agreeing_prefix(row["tokens"], full["tokens"])
+    return list(rows.values())
+
+
+def agreeing_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two greedy continuations share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def describe(runner: str, common: dict) -> str:
+    if runner == "llama.cpp":
+        return f"Q4_K_M GGUF, n_threads={common['threads']}, n_batch=n_ubatch={common['n_batch']}, flash_attn"
+    cache = "DynamicCache" if runner == "full" else "PQCache defaults"
+    return f"{common['dtype']}, {cache}, threads={common['threads']}, prefill chunks of {common['chunk_tokens']}"
+
+
+def print_table(rows: list[dict]) -> None:
+    print("end to end, bundled model: prefill tok/s, decode ms/token, peak RSS (MiB)")
+    print(f"{'tokens':>7} {'runner':>9} {'prefill':>8} {'decode':>7} {'MiB':>6} {'pre/llama':>9} {'dec/llama':>9} same")
+    for r in rows:
+        if r["prefill_tok_s"] is None:
+            print(f"{r['seq_len']:>7} {r['runner']:>9}  {r.get('note', '')}")
+            continue
+        print(
+            f"{r['seq_len']:>7} {r['runner']:>9} {r['prefill_tok_s']:>8} {r['decode_ms']:>7} "
+            f"{r['peak_rss_bytes'] / 2**20:>6.0f} {r.get('prefill_vs_llama', '-'):>9} "
+            f"{r.get('decode_vs_llama', '-'):>9} {r.get('tokens_as_full', '-')}"
+        )
+
+
+def cli_e2e(args) -> int:
+    """`python -m pqcache bench e2e ...` (flags in cli.py)."""
+    rows = bench_e2e(
+        model=args.model,
+        seq_lens=args.seq_lens or SEQ_LENS,
+        runners=tuple(r.strip() for r in args.runners.split(",") if r.strip()),
+        dtype=args.dtype,
+        decode_tokens=args.decode_tokens,
+        repeats=args.repeats or 1,
+        threads=args.threads,
+        n_batch=args.n_batch or LLAMA_N_BATCH,
+        chunk_tokens=args.chunk_tokens,
+        gguf=args.gguf,
+        progress=lambda msg: print(msg, file=sys.stderr),
+    )
+    if args.json:
+        print(json.dumps({"rows": rows}))
+    else:
+        print_table(rows)
+    return 0

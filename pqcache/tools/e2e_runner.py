@@ -1,0 +1,153 @@
+"""One runner of `bench e2e` on one prompt, alone in its process: prefill, greedy decode, peak memory.
+
+`python -m pqcache.tools.e2e_runner SPEC.json` prints one JSON row. A process per runner makes the
+peak memory its own: after loading and a warm-up the kernel's high-water mark of resident memory
+(VmHWM) is reset (/proc/self/clear_refs), so `peak_rss_bytes` is the most the process held during the
+timed prefill and decode, weights included (llama.cpp's mapped GGUF pages count once touched).
+
+Runners: "full" (transformers' DynamicCache), "pqcache" (PQCache at its default settings; its prefill
+time runs until every layer's PQ is built, when decoding can start at full speed), "llama.cpp"
+(llama_cpp.Llama on the GGUF, fed the same token ids).
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import resource
+import statistics
+import sys
+import time
+
+WARMUP_TOKENS = 128
+
+
+def reset_peak_rss() -> bool:
+    """Reset this process's VmHWM to its current RSS (Linux >= 4.0); False where it cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """VmHWM (the peak resident set since the last reset), else ru_maxrss (the peak since the start)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _timed_decode(step, first_token: int, n: int) -> tuple[list[int], list[float]]:
+    """Greedy decode: step(token) -> next token; n tokens, each step timed (ms)."""
+    tokens, times, token = [first_token], [], first_token
+    for _ in range(n - 1):
+        t0 = time.perf_counter()
+        token = step(token)
+        times.append((time.perf_counter() - t0) * 1e3)
+        tokens.append(token)
+    return tokens, times
+
+
+def run_torch(spec: dict, ids: list[int]) -> dict:
+    import torch
+
+    from pqcache.engine.config import PQCacheConfig
+    from pqcache.serving.generate import decode_one_token, make_cache, prefill
+    from pqcache.serving.loading import load_model
+
+    torch.set_num_threads(spec["threads"])
+    model, _ = load_model(spec["model"], device="cpu", dtype=spec["dtype"], progress=lambda *_: None)
+    method = spec["runner"]
+    config = PQCacheConfig(**spec.get("config", {}))
+    chunk = spec.get("chunk_tokens")
+
+    def run(prompt: list[int], n_new: int) -> tuple[float, list[int], list[float]]:
+        cache = make_cache(model, method, config)
+        t0 = time.perf_counter()
+        logits = prefill(model, torch.tensor([prompt]), cache, chunk_tokens=chunk)
+        if method != "full":
+            cache.wait()  # the PQ is built: the next step runs at full speed
+        prefill_s = time.perf_counter() - t0
+
+        def step(token: int) -> int:
+            return int(decode_one_token(model, torch.tensor([[token]]), cache).argmax(-1))
+
+        tokens, times = _timed_decode(step, int(logits.argmax(-1)), n_new)
+        if method != "full":
+            cache.close()
+        return prefill_s, tokens, times
+
+    run(ids[:WARMUP_TOKENS], 4)  # warm-up: first calls allocate and pick kernels
+    return measure(lambda: run(ids, spec["decode_tokens"]), len(ids))
+
+
+def run_llama(spec: dict, ids: list[int]) -> dict:
+    import numpy as np
+    from llama_cpp import Llama
+
+    llm = Llama(
+        model_path=spec["gguf"],
+        n_ctx=len(ids) + spec["decode_tokens"] + 16,
+        n_batch=spec["n_batch"],
+        n_ubatch=spec["n_batch"],
+        n_threads=spec["threads"],
+        n_threads_batch=spec["threads"],
+        flash_attn=True,
+        swa_full=False,  # sliding-window layers keep their window only, as llama.cpp's own CLI and server do
+        verbose=False,
+    )
+    n_vocab = llm.n_vocab()
+
+    def logits_argmax() -> int:  # the last evaluated token's logits (the only ones kept)
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
+
+    def run(prompt: list[int], n_new: int) -> tuple[float, list[int], list[float]]:
+        llm.reset()  # eval() then drops the cached positions from 0 on
+        t0 = time.perf_counter()
+        llm.eval(prompt)
+        prefill_s = time.perf_counter() - t0
+
+        def step(token: int) -> int:
+            llm.eval([token])
+            return logits_argmax()
+
+        tokens, times = _timed_decode(step, logits_argmax(), n_new)
+        return prefill_s, tokens, times
+
+    run(ids[:WARMUP_TOKENS], 4)
+    return measure(lambda: run(ids, spec["decode_tokens"]), len(ids))
+
+
+def measure(run, n_tokens: int) -> dict:
+    """Run the timed prompt once with the memory high-water mark reset just before."""
+    gc.collect()
+    scoped = reset_peak_rss()
+    prefill_s, tokens, times = run()
+    return {
+        "prefill_tok_s": round(n_tokens / prefill_s, 1),
+        "decode_ms": round(statistics.median(times), 2),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "peak_scope": "run" if scoped else "process",  # process: ru_maxrss, loading included
+        "tokens": tokens,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    with open(argv[0], encoding="utf-8") as f:
+        spec = json.load(f)
+    ids = spec.pop("ids")
+    row = run_llama(spec, ids) if spec["runner"] == "llama.cpp" else run_torch(spec, ids)
+    print(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

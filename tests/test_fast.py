@@ -1,0 +1,172 @@
+"""The fast CPU path (issue 15): chunked prefill, bf16, the exact-argmax LM head, and `bench e2e`'s rows."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+
+from pqcache import PQCache, PQCacheConfig
+from pqcache.serving import fast
+from pqcache.serving.generate import decode_n_tokens, make_cache, prefill
+from pqcache.serving.lmhead import ExactArgmaxHead, install_exact_argmax_head
+from pqcache.tools import e2e
+
+from .conftest import COMMON, byte_tokenizer, greedy_generate, tiny_model
+
+FULL_BUDGET = PQCacheConfig(token_budget=1.0, n_init=4, n_local=8, kmeans_iters=5, bits=4)
+
+
+def _ids(n, seed=0):
+    return torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("method", ["full", "pqcache"])
+@pytest.mark.parametrize("chunk", [10, 48])  # smaller and larger than the tiny Gemma 3's window of 24
+def test_chunked_prefill_equals_one_forward(arch, method, chunk):
+    model = tiny_model(arch)
+    ids = _ids(150)
+    with torch.no_grad():
+        one = make_cache(model, method, FULL_BUDGET)
+        ref = prefill(model, ids, one, chunk_tokens=None)
+        ref_tokens = decode_n_tokens(model, ref, one, 6).tokens
+        seen = []
+        many = make_cache(model, method, FULL_BUDGET)
+        logits = prefill(model, ids, many, chunk_tokens=chunk, on_chunk=lambda i, n: seen.append((i, n)))
+        tokens = decode_n_tokens(model, logits, many, 6).tokens
+    n = -(-150 // chunk)
+    assert seen == [(i, n) for i in range(n)]
+    torch.testing.assert_close(logits, ref, rtol=1e-5, atol=1e-5)
+    assert tokens == ref_tokens
+
+
+def test_chunked_prefill_keeps_sliding_layers_banded_and_builds_pq_once():
+    model = tiny_model("gemma3")  # layers: sliding (window 24), full, sliding
+    ids = _ids(150)
+    sizes = []
+    hook = model.model.layers[0].self_attn.register_forward_hook(
+        lambda m, a, kw, out: sizes.append(kw["attention_mask"].shape[-1]), with_kwargs=True
+    )
+    with torch.no_grad():
+        cache = PQCache(model, PQCacheConfig(token_budget=0.5, kmeans_iters=2), keep_queries=True)
+        prefill(model, ids, cache, chunk_tokens=32)
+    hook.remove()
+    assert max(sizes) <= 32 + 24  # each chunk attends to the window and itself, not to the whole prompt
+    (layer,) = cache.pq_layers
+    assert layer.prefilled and layer.S == 150
+    assert layer.prefill_q.shape[2] == 150  # every chunk's queries, for forks into other methods
+    assert len(layer.method_state["index"].segments) <= 1  # one K-Means over the whole prompt
+    cache.wait()
+    assert len(layer.method_state["index"].segments) == 1
+    cache.close()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_full_budget_equals_full_attention_in_bf16(arch):
+    model = tiny_model(arch).to(torch.bfloat16)
+    ids = _ids(80, seed=1)
+    with torch.no_grad():
+        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config))
+        cache = PQCache(model, FULL_BUDGET)
+        seq, scores = greedy_generate(model, ids, cache)
+    assert all(layer.stats["steps"] == 5 for layer in cache.pq_layers), "decode must run through the PQ path"
+    torch.testing.assert_close(scores, ref_scores, rtol=2e-2, atol=2e-2)
+    assert torch.equal(seq, ref_seq)
+
+
+def test_resolve_dtype(monkeypatch):
+    assert fast.resolve_dtype("float32") == torch.float32
+    assert fast.resolve_dtype(torch.bfloat16) == torch.bfloat16
+    assert fast.resolve_dtype("auto", "cuda") == torch.bfloat16 and fast.resolve_dtype(None, "cuda") == torch.bfloat16
+    monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: False)
+    assert fast.resolve_dtype("auto") == torch.float32
+    monkeypatch.setattr(fast, "cpu_has_native_bf16", lambda: True)
+    assert fast.resolve_dtype("auto") == torch.bfloat16
+    assert fast.resolve_dtype(None) == torch.float32  # the default on a CPU, native bf16 or not
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        fast.resolve_dtype("float16")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_argmax_head_picks_the_exact_heads_argmax(dtype):
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(64, 5000, bias=False).to(dtype)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(5000, 64, generator=g) * 0.05)
+        # near-ties: rows that differ from others by less than the int8 step
+        head.weight[1:50] = head.weight[0] + 1e-4 * torch.randn(49, 64, generator=g).to(dtype)
+    fast_head = ExactArgmaxHead(head)
+    with torch.no_grad():
+        for i in range(50):
+            h = (torch.randn(1, 1, 64, generator=g) * (1 + i)).to(dtype)
+            if i % 5 == 0:
+                h = head.weight[None, None, 0] * 20  # a hidden state that points at the near-tied rows
+            exact, approx = head(h), fast_head(h)
+            assert int(approx.argmax(-1)) == int(exact.argmax(-1))
+            torch.testing.assert_close(approx.max(), exact.max())  # the winner's logit is exact (summation order)
+        assert fast_head(torch.randn(1, 10, 64).to(dtype)).shape == (1, 10, 5000)  # many rows: the exact head
+    assert fast_head.stats["steps"] == 50 and fast_head.stats["candidates"] < 50 * 5000 // 4
+
+
+def test_exact_argmax_head_keeps_a_models_greedy_tokens():
+    model = tiny_model("gemma3")
+    ids = _ids(60)
+    with torch.no_grad():
+        ref, _ = greedy_generate(model, ids, DynamicCache(config=model.config), n=8)
+        assert install_exact_argmax_head(model) is not None
+        seq, _ = greedy_generate(model, ids, DynamicCache(config=model.config), n=8)
+    assert isinstance(model.lm_head, ExactArgmaxHead) and model.lm_head.stats["steps"] >= 7
+    assert torch.equal(seq, ref)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random Gemma 3 (sliding and full layers) and a byte tokenizer, saved as a model folder."""
+    tok = byte_tokenizer()
+    torch.manual_seed(0)
+    cfg = Gemma3TextConfig(
+        **{**COMMON, "vocab_size": len(tok)},
+        sliding_window=24,
+        query_pre_attn_scalar=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+    )
+    path = tmp_path_factory.mktemp("tiny_gemma3")
+    Gemma3ForCausalLM(cfg).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _well_formed(rows, seq_lens, runners):
+    assert [(r["seq_len"], r["runner"]) for r in rows] == [(s, r) for s in seq_lens for r in runners]
+    for r in rows:
+        if r["runner"] == "llama.cpp":
+            assert r["prefill_tok_s"] is None and r["decode_ms"] is None and r["note"]
+            continue
+        assert r["prefill_tok_s"] > 0 and r["decode_ms"] > 0 and r["peak_rss_bytes"] > 2**20
+        assert len(r["tokens"]) == 3 and r["tokens_as_full"] >= 0
+        assert "prefill_vs_llama" not in r  # no llama.cpp row to compare with
+
+
+def test_e2e_bench_without_llama_cpp(tiny_model_dir, monkeypatch, capsys):
+    monkeypatch.setattr(e2e, "llama_cpp_installed", lambda: False)
+    rows = e2e.bench_e2e(model=str(tiny_model_dir), seq_lens=[40, 90], decode_tokens=3, chunk_tokens=32, isolate=False)
+    _well_formed(rows, [40, 90], e2e.RUNNERS)
+    assert rows[0]["note"].startswith("not installed")
+    assert all(r["tokens_as_full"] == 3 for r in rows if r["runner"] == "full")
+    e2e.print_table(rows)
+    assert "not installed" in capsys.readouterr().out
+
+
+def test_e2e_bench_cli_runs_each_runner_in_its_own_process(tiny_model_dir):
+    out = subprocess.run(
+        [sys.executable, "-m", "pqcache", "bench", "e2e", "--model", str(tiny_model_dir), "--seq-lens", "50"]
+        + ["--decode-tokens", "3", "--runners", "llama.cpp,full", "--dtype", "float32", "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    rows = json.loads(out.stdout)["rows"]
+    _well_formed(rows, [50], ["llama.cpp", "full"])  # llama.cpp: not installed, or no GGUF for this model
+    assert rows[1]["settings"].startswith("float32")
