@@ -56,13 +56,9 @@ def run_in_process(spec: dict) -> dict:
 
 def run_inline(spec: dict) -> dict:
     """One runner in this process (tests: no fresh interpreter; its peak memory is the whole process's)."""
-    from pqcache.tools import e2e_runner
+    from pqcache.tools.e2e_runner import run_spec
 
-    spec = dict(spec)
-    ids = spec.pop("ids")
-    if spec["runner"] == "llama.cpp":
-        return e2e_runner.run_llama(spec, ids)
-    return e2e_runner.run_torch(spec, ids)
+    return run_spec(spec)
 
 
 def bench_e2e(

@@ -139,13 +139,17 @@ def measure(run, n_tokens: int) -> dict:
     }
 
 
+def run_spec(spec: dict) -> dict:
+    """The row of one runner's spec (its "ids" and settings)."""
+    spec = dict(spec)
+    ids = spec.pop("ids")
+    return run_llama(spec, ids) if spec["runner"] == "llama.cpp" else run_torch(spec, ids)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0], encoding="utf-8") as f:
-        spec = json.load(f)
-    ids = spec.pop("ids")
-    row = run_llama(spec, ids) if spec["runner"] == "llama.cpp" else run_torch(spec, ids)
-    print(json.dumps(row))
+        print(json.dumps(run_spec(json.load(f))))
     return 0
 
 
