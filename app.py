@@ -1,7 +1,8 @@
 """PQCache Studio: ask questions about a long document and watch PQ-retrieved attention at work.
 
-python app.py [--host 127.0.0.1] [--port 7860] [--model default|PATH] [--dtype float32|bfloat16|auto] [--concurrency 2]
-              [--max-cache-gib G] [--idle-minutes 30] [--max-document-tokens N] [--pq-timeout 120]
+python app.py [--host 127.0.0.1] [--port 7860] [--model default|PATH] [--dtype float32|bfloat16|auto]
+              [--decode-weights int8|model] [--concurrency 2] [--max-cache-gib G] [--idle-minutes 30]
+              [--max-document-tokens N] [--pq-timeout 120]
               [--ray auto|local|HOST:PORT --replicas N --replica-cpus 1]
 
 Tabs: Document Q&A (upload or paste, prefill once, streamed answers, live cache panels), Teaching
@@ -30,8 +31,8 @@ for var in ("NO_PROXY", "no_proxy"):  # the browser and the client talk to local
 
 from pqcache import load_model  # noqa: E402
 from pqcache.serving.documents import MAX_DOCUMENT_BYTES  # noqa: E402
-from pqcache.serving.fast import DTYPE_CHOICES  # noqa: E402
 from pqcache.serving.pool import SessionPool, limit_malloc_arenas  # noqa: E402
+from pqcache.tools.cli import add_dtype_flags  # noqa: E402
 from studio import Studio, build_ui  # noqa: E402
 
 
@@ -40,13 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
-    p.add_argument(
-        "--dtype",
-        default=None,
-        choices=list(DTYPE_CHOICES),
-        help="weights and compute (default: float32 on a CPU, bfloat16 on CUDA; auto: bfloat16 where the CPU "
-        "has native bf16, faster but it changed an answer of the bundled model at a 1/5 budget)",
-    )
+    add_dtype_flags(p)
     p.add_argument("--concurrency", type=int, default=2, help="requests using the model at once; the rest queue")
     p.add_argument(
         "--max-cache-gib",
@@ -108,7 +103,12 @@ def main(argv: list[str] | None = None):
     if args.ray:  # before the model: a wrong address or too small a cluster is said at once
         connect_ray(args)
     print("preparing the model (the first start converts the bundled GGUF, about a minute)...", flush=True)
-    model, tokenizer = load_model(args.model, dtype=args.dtype, progress=lambda msg: print(msg, flush=True))
+    model, tokenizer = load_model(
+        args.model,
+        dtype=args.dtype,
+        decode_weights=args.decode_weights,
+        progress=lambda msg: print(msg, flush=True),
+    )
     pool = make_pool(args)
     documents, concurrency = None, args.concurrency
     if args.ray:

@@ -11,6 +11,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 from pqcache import PQCache, PQCacheConfig
 from pqcache.serving import fast
 from pqcache.serving.generate import decode_n_tokens, make_cache, prefill
+from pqcache.serving.int8 import Int8DecodeLinear, install_int8_decode
 from pqcache.serving.lmhead import ExactArgmaxHead, install_exact_argmax_head
 from pqcache.tools import e2e
 
@@ -121,6 +122,47 @@ def test_exact_argmax_head_keeps_a_models_greedy_tokens():
     assert torch.equal(seq, ref)
 
 
+def test_int8_decode_linear_is_close_for_few_rows_and_exact_for_many():
+    g = torch.Generator().manual_seed(0)
+    linear = torch.nn.Linear(64, 48).requires_grad_(False)
+    linear.weight.copy_(torch.randn(48, 64, generator=g) * 0.1)
+    fast_linear = Int8DecodeLinear(linear, max_rows=4)
+    assert fast_linear.weight is linear.weight and fast_linear.bias is linear.bias
+    x = torch.randn(1, 3, 64, generator=g)
+    with torch.no_grad():
+        approx, exact = fast_linear(x), linear(x)
+        assert approx.shape == exact.shape and approx.dtype == exact.dtype
+        assert not torch.equal(approx, exact)  # the decode rows really read the int8 copy
+        # int8 rows (error <= half a step of the row's scale) and bf16 activations: about 1% of the output's size
+        torch.testing.assert_close(approx, exact, rtol=0, atol=0.02 * float(exact.abs().max()))
+        many = torch.randn(1, 5, 64, generator=g)  # more rows than max_rows: a prefill chunk
+        assert torch.equal(fast_linear(many), linear(many))
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_int8_decode_keeps_full_budget_equal_to_full_attention(arch):
+    """Both caches decode through the same int8 linears: at a full budget PQCache still equals full attention."""
+    model = tiny_model(arch)
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())
+    assert install_int8_decode(model) == n_linear == 7 * len(model.model.layers)
+    assert not isinstance(model.lm_head, Int8DecodeLinear)  # the head has its own exact-argmax form
+    ids = _ids(80, seed=2)
+    with torch.no_grad():
+        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config))
+        cache = PQCache(model, FULL_BUDGET)
+        seq, scores = greedy_generate(model, ids, cache)
+    assert all(layer.stats["steps"] == 5 for layer in cache.pq_layers), "decode must run through the PQ path"
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    assert torch.equal(seq, ref_seq)
+
+
+def test_load_model_rejects_unknown_decode_weights():
+    from pqcache import load_model
+
+    with pytest.raises(ValueError, match="decode_weights must be one of int8, model"):
+        load_model("default", decode_weights="int4")
+
+
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
     """A tiny random Gemma 3 (sliding and full layers) and a byte tokenizer, saved as a model folder."""
@@ -169,4 +211,4 @@ def test_e2e_bench_cli_runs_each_runner_in_its_own_process(tiny_model_dir):
     )
     rows = json.loads(out.stdout)["rows"]
     _well_formed(rows, [50], ["llama.cpp", "full"])  # llama.cpp: not installed, or no GGUF for this model
-    assert rows[1]["settings"].startswith("float32")
+    assert rows[1]["settings"].startswith("float32, int8 decode weights")

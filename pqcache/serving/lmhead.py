@@ -17,6 +17,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pqcache.serving.int8 import int8_kernel_available, quantize_rows
+
 BF16_UNIT = 2.0**-8  # relative rounding error of bf16 (8 bits of mantissa, round to nearest: 2**-9; doubled)
 
 
@@ -28,10 +30,9 @@ class ExactArgmaxHead(nn.Module):
         super().__init__()
         self.head, self.max_rows, self.max_candidates = head, max_rows, max_candidates
         w = head.weight.detach().float()  # (V, D)
-        scale = w.abs().amax(1).clamp(min=1e-12) / 127  # (V,) per-row int8 scale
-        q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
-        self.register_buffer("q", q.contiguous(), persistent=False)  # (V, D) int8
-        self.register_buffer("scale", scale.to(torch.bfloat16), persistent=False)  # (V,)
+        q, scale = quantize_rows(w)
+        self.register_buffer("q", q, persistent=False)  # (V, D) int8
+        self.register_buffer("scale", scale, persistent=False)  # (V,) bf16
         # the bound uses the scale the kernel really multiplies by (bf16), so it covers its rounding too
         err = (w - q.float() * self.scale.float()[:, None]).abs().amax(1)  # (V,)
         # per row, what one unit of ||h||_1 can move its logit: the int8 error plus the activations' bf16 rounding
@@ -75,7 +76,7 @@ def install_exact_argmax_head(model) -> ExactArgmaxHead | None:
     """Swap the model's LM head for an ExactArgmaxHead (CPU only; None when the model has no plain head
     or the int8 kernel is missing). The original head is kept inside it."""
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Linear) or head.bias is not None or not hasattr(torch.ops.aten, "_weight_int8pack_mm"):
+    if not isinstance(head, nn.Linear) or head.bias is not None or not int8_kernel_available():
         return None
     fast = ExactArgmaxHead(head)
     model.lm_head = fast

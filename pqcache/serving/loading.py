@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from pqcache.serving.fast import resolve_dtype
+from pqcache.serving.int8 import DECODE_WEIGHTS, install_int8_decode
 from pqcache.serving.lmhead import install_exact_argmax_head
 
 DEFAULT_NAMES = (None, "default", "gemma3-270m")
@@ -90,11 +91,22 @@ def prepare_default_model(progress=print) -> Path:
     return target
 
 
-def load_model(name_or_path: str | None = None, device: str = "auto", dtype=None, device_map=None, progress=print):
+def load_model(
+    name_or_path: str | None = None,
+    device: str = "auto",
+    dtype=None,
+    device_map=None,
+    progress=print,
+    decode_weights: str = "int8",
+):
     """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M. dtype: None (float32 on a CPU,
-    bf16 on CUDA), "auto" (bf16 where the CPU has native bf16), "float32", "bfloat16" or a torch.dtype (fast.py)."""
+    bf16 on CUDA), "auto" (bf16 where the CPU has native bf16), "float32", "bfloat16" or a torch.dtype (fast.py).
+    decode_weights: "int8" (on a CPU, decode steps read int8 copies of the decoder linears: int8.py) or
+    "model" (every forward reads the model's own weights)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if decode_weights not in DECODE_WEIGHTS:
+        raise ValueError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {decode_weights!r}")
     if name_or_path in DEFAULT_NAMES:
         path = prepare_default_model(progress)
     else:
@@ -121,4 +133,6 @@ def load_model(name_or_path: str | None = None, device: str = "auto", dtype=None
     model.eval()
     if device == "cpu" and device_map is None:  # the LM head is the biggest read of a CPU decode step
         install_exact_argmax_head(model)
+        if decode_weights == "int8":
+            install_int8_decode(model)
     return model, tok

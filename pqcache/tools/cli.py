@@ -12,6 +12,7 @@ from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import PQCacheError
 from pqcache.engine.methods import METHODS
 from pqcache.serving.fast import DTYPE_CHOICES
+from pqcache.serving.int8 import DECODE_WEIGHTS
 from pqcache.serving.loading import ModelNotFoundError
 
 
@@ -34,13 +35,21 @@ def _config(args) -> PQCacheConfig:
     return PQCacheConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
 
 
-def _add_dtype(parser):
+def add_dtype_flags(parser):
+    """--dtype and --decode-weights: how the model's weights are read (shared with app.py)."""
     parser.add_argument(
         "--dtype",
         default=None,
         choices=list(DTYPE_CHOICES),
         help="weights and compute (default: float32 on a CPU, bfloat16 on CUDA; auto: bfloat16 where the CPU "
         "has native bf16, faster but it changed an answer of the bundled model at a 1/5 budget)",
+    )
+    parser.add_argument(
+        "--decode-weights",
+        default="int8",
+        choices=list(DECODE_WEIGHTS),
+        help="CPU decode steps read int8 copies of the decoder linears (default; the prefill keeps the model's "
+        "weights) or the model's own weights",
     )
 
 
@@ -71,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--question", required=True, help="the question, in your own words")
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--device", default="auto")
-    _add_dtype(g)
+    add_dtype_flags(g)
     g.add_argument("--m", type=int, default=PQCacheConfig.m)
     g.add_argument("--bits", type=int, default=PQCacheConfig.bits)
     g.add_argument("--rerank", type=int, default=PQCacheConfig.rerank, help="exact re-rank of rerank x k candidates")
@@ -104,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--new-tokens", type=int, default=256, help="blockcache: tokens generated")
     b.add_argument("--model", default="default", help="ttft, blockcache: the model")
     b.add_argument("--device", default="auto")
-    _add_dtype(b)
+    add_dtype_flags(b)
     b.add_argument("--decode-tokens", type=int, default=32, help="e2e: greedy tokens decoded per run")
     b.add_argument("--threads", type=int, default=None, help="e2e: threads of every runner (default: the cores)")
     b.add_argument("--n-batch", type=int, default=None, help="e2e: llama.cpp's n_batch (= n_ubatch)")
@@ -121,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--group-by", default="", help="comma-separated case fields for the summary")
     e.add_argument("--model", default="default")
     e.add_argument("--device", default="auto")
-    _add_dtype(e)
+    add_dtype_flags(e)
     e.add_argument("--max-new-tokens", type=int, default=24)
     e.add_argument("--token-budget", type=_budget, default=0.1)
     e.add_argument("--m", type=int, default=PQCacheConfig.m)
@@ -189,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--model", default="default")
     c.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=[512, 1024, 2048, 4096])
     c.add_argument("--device", default="auto")
-    _add_dtype(c)
+    add_dtype_flags(c)
     c.add_argument("--json", action="store_true")
     return p
 
@@ -210,7 +219,9 @@ def cmd_generate(args) -> int:
     elif args.context_file is not None:  # bad files raise DocumentError (printed, exit 2)
         context = read_document(str(args.context_file), encoding=args.encoding)
     config = _config(args)
-    model, tok = load_model(args.model, device=args.device, dtype=args.dtype, progress=_stderr)
+    model, tok = load_model(
+        args.model, device=args.device, dtype=args.dtype, progress=_stderr, decode_weights=args.decode_weights
+    )
     prompt = build_prompt(tok, context, args.question)
     printed = [0]
 
@@ -288,7 +299,9 @@ def cmd_bench(args) -> int:
     else:
         from pqcache.serving.loading import load_model
 
-        model, tok = load_model(args.model, device=args.device, dtype=args.dtype, progress=_stderr)
+        model, tok = load_model(
+            args.model, device=args.device, dtype=args.dtype, progress=_stderr, decode_weights=args.decode_weights
+        )
         if args.which == "ttft":
             rows = bench.bench_ttft(model, tok, **kw)
         else:
@@ -305,7 +318,9 @@ def cmd_calibrate(args) -> int:
     from pqcache.serving.loading import load_model
     from pqcache.tools import calibrate
 
-    model, tok = load_model(args.model, device=args.device, dtype=args.dtype, progress=_stderr)
+    model, tok = load_model(
+        args.model, device=args.device, dtype=args.dtype, progress=_stderr, decode_weights=args.decode_weights
+    )
     fit = calibrate.calibrate(model, tok, seq_lens=args.seq_lens, progress=lambda msg: print(msg, file=sys.stderr))
     path = calibrate.save(fit)
     if args.json:
@@ -332,7 +347,9 @@ def cmd_eval(args) -> int:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     cases = evaluate.load_cases(args.cases) if args.mode is None else None
     config = _config(args)
-    model, tok = load_model(args.model, device=args.device, dtype=args.dtype, progress=_stderr)
+    model, tok = load_model(
+        args.model, device=args.device, dtype=args.dtype, progress=_stderr, decode_weights=args.decode_weights
+    )
     if args.mode == "recall":
         from pqcache.tools.datasets import essays_text
 

@@ -66,6 +66,7 @@ def bench_e2e(
     seq_lens=SEQ_LENS,
     runners=RUNNERS,
     dtype: str | None = None,
+    decode_weights: str = "int8",
     decode_tokens: int = 32,
     repeats: int = 1,
     threads: int | None = None,
@@ -98,6 +99,7 @@ def bench_e2e(
     common = {
         "model": str(path),
         "dtype": dtype_name(resolve_dtype(dtype)),
+        "decode_weights": decode_weights,
         "threads": threads,
         "decode_tokens": decode_tokens,
         "chunk_tokens": chunk_tokens or PREFILL_CHUNK_TOKENS,
@@ -158,7 +160,8 @@ def describe(runner: str, common: dict) -> str:
     if runner == "llama.cpp":
         return f"Q4_K_M GGUF, n_threads={common['threads']}, n_batch=n_ubatch={common['n_batch']}, flash_attn"
     cache = "DynamicCache" if runner == "full" else "PQCache defaults"
-    return f"{common['dtype']}, {cache}, threads={common['threads']}, prefill chunks of {common['chunk_tokens']}"
+    weights = f"{common['dtype']}, {common['decode_weights']} decode weights"
+    return f"{weights}, {cache}, threads={common['threads']}, prefill chunks of {common['chunk_tokens']}"
 
 
 def print_table(rows: list[dict]) -> None:
@@ -182,6 +185,7 @@ def cli_e2e(args) -> int:
         seq_lens=args.seq_lens or SEQ_LENS,
         runners=tuple(r.strip() for r in args.runners.split(",") if r.strip()),
         dtype=args.dtype,
+        decode_weights=args.decode_weights,
         decode_tokens=args.decode_tokens,
         repeats=args.repeats or 1,
         threads=args.threads,

@@ -63,7 +63,13 @@ def run_torch(spec: dict, ids: list[int]) -> dict:
     from pqcache.serving.loading import load_model
 
     torch.set_num_threads(spec["threads"])
-    model, _ = load_model(spec["model"], device="cpu", dtype=spec["dtype"], progress=lambda *_: None)
+    model, _ = load_model(
+        spec["model"],
+        device="cpu",
+        dtype=spec["dtype"],
+        decode_weights=spec.get("decode_weights", "int8"),
+        progress=lambda *_: None,
+    )
     method = spec["runner"]
     config = PQCacheConfig(**spec.get("config", {}))
     chunk = spec.get("chunk_tokens")

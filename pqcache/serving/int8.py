@@ -1,0 +1,75 @@
+"""Int8 weight-only decoder linears for decode steps: a CPU decode step reads every weight once per token.
+
+The bundled model's 18 decoder layers hold 100M weights: 400 MB to read per token in float32 (32 ms on the
+2-core test machine), 100 MB as int8 rows with one bf16 scale each (8 ms, torch's own `_weight_int8pack_mm`
+kernel, which wants bf16 activations). Forwards with more rows than `max_rows` (a prefill chunk, scoring)
+use the model's own weights, so the prompt's keys and values, and with them the PQ codes, are the model's;
+only the few-row decode steps read the int8 copy. Greedy answers can differ from float32 decoding
+(W8A16 rounding); the quality guard in docs/results.md measures that, and `decode_weights="model"` turns it off.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+DECODE_WEIGHTS = ("int8", "model")
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> int8 rows q (N, K) and their bf16 scales (N,), round to nearest: w ~ q * scale."""
+    w = w.detach().float()
+    scale = (w.abs().amax(1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def int8_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+
+
+class Int8DecodeLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, max_rows: int = 4):
+        """linear: the model's layer (kept, not copied: longer forwards use it). max_rows: forwards with more
+        rows than this use it too."""
+        super().__init__()
+        self.linear, self.max_rows = linear, max_rows
+        q, scale = quantize_rows(linear.weight)
+        self.register_buffer("q", q, persistent=False)  # (N, K) int8
+        self.register_buffer("scale", scale, persistent=False)  # (N,) bf16
+
+    @property
+    def weight(self):  # transformers and PEFT-style code read .weight / .bias of a projection
+        return self.linear.weight
+
+    @property
+    def bias(self):
+        return self.linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., N)."""
+        rows = x.numel() // x.shape[-1]
+        if rows > self.max_rows or x.device.type != "cpu":
+            return self.linear(x)
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1).to(torch.bfloat16), self.q, self.scale)
+        y = y.to(x.dtype)
+        if self.linear.bias is not None:
+            y = y + self.linear.bias
+        return y.view(*x.shape[:-1], -1)
+
+
+def install_int8_decode(model) -> int:
+    """Wrap every nn.Linear inside the model's decoder layers (not the LM head, not the embeddings) in an
+    Int8DecodeLinear. Returns how many were wrapped (0 where the kernel is missing)."""
+    if not int8_kernel_available():
+        return 0
+    from pqcache.engine.cache import decoder_layers
+
+    wrapped = 0
+    for _, layer in decoder_layers(model):
+        for parent in list(layer.modules()):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear):
+                    setattr(parent, name, Int8DecodeLinear(child))
+                    wrapped += 1
+    return wrapped
