@@ -174,3 +174,25 @@ def test_question_chunk_attends_exactly_then_decoding_selects():
     n_init, n_topk, n_local = cfg.split(300)
     per_layer = n_init + layer.window.L + layer.window.k_cap + layer.window.q_cap
     assert layer.window.k_cap < 300 and per_layer < 300  # the whole context is not kept on the device
+
+
+def test_append_sliding_layer_returns_what_transformers_layer_returns(monkeypatch):
+    """Decode steps append in place (no copy of the window), yet every update returns the same keys and values,
+    and the mask sizes stay the same, through buffer moves, a multi-token chunk and a reorder."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    from pqcache.engine.layer import sliding
+
+    monkeypatch.setattr(sliding, "SPARE", 5)  # move the window every few steps
+    g = torch.Generator().manual_seed(0)
+    ref, new = DynamicSlidingWindowLayer(sliding_window=8), sliding.AppendSlidingWindowLayer(sliding_window=8)
+    steps = [3, 1, 1, 1, 1, 1, 1, 1, 1, 6, 1, 1, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1]
+    for i, q in enumerate(steps):
+        k, v = torch.randn(2, 2, q, 4, generator=g), torch.randn(2, 2, q, 4, generator=g)
+        if i == 15:  # something outside update replaces the window: the next step starts a new buffer
+            for layer in (ref, new):
+                layer.reorder_cache(torch.tensor([1, 0]))
+        want, got = ref.update(k, v), new.update(k, v)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), i
+        assert torch.equal(new.keys, ref.keys) and new.get_mask_sizes(1) == ref.get_mask_sizes(1)
+    assert new.buf_k is not None  # the last steps ran in place

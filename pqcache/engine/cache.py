@@ -23,6 +23,7 @@ from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.instrument import Instrumentation
 from pqcache.engine.iters import kmeans_iters_for, load_fit
 from pqcache.engine.layer.layer import PQLayer
+from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 from pqcache.engine.methods import Method, make_method
 from pqcache.engine.shapes import head_dim_of
 
@@ -118,6 +119,8 @@ class PQCache(Cache):
                 )
                 layer.keep_queries = keep_queries or self.method.needs_prefill_queries
                 layers.append(layer)
+            elif kind == "sliding_attention":
+                layers.append(AppendSlidingWindowLayer(**kw))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)
