@@ -52,7 +52,7 @@ class BlockCache:
         B, H, k = top.shape
         bh = torch.arange(B * H, device=self.device).view(B, H, 1)
         flat = ((bh * self.n_slots + slot.clamp(min=0)) * self.bs + top % self.bs).reshape(-1)[rows]
-        return self.k.view(-1, self.D)[flat], self.v.view(-1, self.D)[flat]
+        return self.k.view(-1, self.D).index_select(0, flat), self.v.view(-1, self.D).index_select(0, flat)
 
     def admit(self, top, valid, host, n_complete_tokens: int) -> int:
         """Update use stats and admit the top blocks of this retrieval. Returns tokens copied in."""

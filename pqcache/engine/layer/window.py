@@ -107,13 +107,15 @@ class DeviceWindow:
         miss_rows = (~hit).reshape(-1).nonzero().squeeze(1)
         hit_rows = hit.reshape(-1).nonzero().squeeze(1)
         if hit_rows.numel():
-            out_k[dest[hit_rows]], out_v[dest[hit_rows]] = self.blocks.read(slot, top, hit_rows)
+            hk, hv = self.blocks.read(slot, top, hit_rows)
+            out_k.index_copy_(0, dest[hit_rows], hk)
+            out_v.index_copy_(0, dest[hit_rows], hv)
         with span("copy to device"):
             miss = miss_rows.to(host.host)
             bh = torch.arange(B * H).view(B, H, 1).expand(B, H, k).reshape(-1)[miss]
             mk, mv = host.rows(bh, top.to(host.host).reshape(-1)[miss])
-            out_k[dest[miss_rows]] = mk.to(self.device, non_blocking=True)
-            out_v[dest[miss_rows]] = mv.to(self.device, non_blocking=True)
+            out_k.index_copy_(0, dest[miss_rows], mk.to(self.device, non_blocking=True))
+            out_v.index_copy_(0, dest[miss_rows], mv.to(self.device, non_blocking=True))
         el = self.k.element_size()
         moved = 2 * miss_rows.numel() * D * el
         if self.blocks is not None:
