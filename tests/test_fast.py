@@ -11,7 +11,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 from pqcache import PQCache, PQCacheConfig
 from pqcache.serving import fast
 from pqcache.serving.generate import decode_n_tokens, make_cache, prefill
-from pqcache.serving.int8 import Int8DecodeLinear, install_int8_decode
+from pqcache.serving.int8 import FusedSiblings, Int8DecodeLinear, install_int8_decode
 from pqcache.serving.lmhead import ExactArgmaxHead, install_exact_argmax_head
 from pqcache.tools import e2e
 
@@ -139,6 +139,28 @@ def test_int8_decode_linear_is_close_for_few_rows_and_exact_for_many():
         assert torch.equal(fast_linear(many), linear(many))
 
 
+def test_fused_siblings_give_each_projection_its_own_output():
+    """q/k/v stacked into one int8 matmul: each sibling's output equals its own int8 matmul, whichever is called
+    first, and an input changed in place (or a different input) is computed afresh."""
+    g = torch.Generator().manual_seed(1)
+    linears = [
+        torch.nn.Linear(64, n, bias=bias).requires_grad_(False) for n, bias in ((32, True), (16, False), (16, True))
+    ]
+    alone = [Int8DecodeLinear(lin) for lin in linears]
+    fused = [Int8DecodeLinear(lin) for lin in linears]
+    FusedSiblings(fused)
+    assert all(m.group is fused[0].group for m in fused)
+    x = torch.randn(1, 1, 64, generator=g)
+    with torch.no_grad():
+        for order in ([0, 1, 2], [2, 0, 1]):
+            for i in order:
+                assert torch.equal(fused[i](x), alone[i](x)), i
+        x.mul_(2)  # same tensor, new values: the stacked output is stale and must not be reused
+        assert torch.equal(fused[1](x), alone[1](x))
+        y = torch.randn(1, 1, 64, generator=g)
+        assert torch.equal(fused[2](y), alone[2](y)) and torch.equal(fused[0](x), alone[0](x))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_int8_decode_keeps_full_budget_equal_to_full_attention(arch):
     """Both caches decode through the same int8 linears: at a full budget PQCache still equals full attention."""
@@ -146,6 +168,9 @@ def test_int8_decode_keeps_full_budget_equal_to_full_attention(arch):
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())
     assert install_int8_decode(model) == n_linear == 7 * len(model.model.layers)
     assert not isinstance(model.lm_head, Int8DecodeLinear)  # the head has its own exact-argmax form
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    assert attn.q_proj.group is attn.v_proj.group is not None and attn.o_proj.group is None
+    assert mlp.gate_proj.group is mlp.up_proj.group is not None and mlp.down_proj.group is None
     ids = _ids(80, seed=2)
     with torch.no_grad():
         ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config))

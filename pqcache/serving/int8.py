@@ -28,6 +28,10 @@ def int8_kernel_available() -> bool:
     return hasattr(torch.ops.aten, "_weight_int8pack_mm")
 
 
+# Sibling projections that read the same input: one matmul over their stacked int8 rows serves them all.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
 class Int8DecodeLinear(nn.Module):
     def __init__(self, linear: nn.Linear, max_rows: int = 4):
         """linear: the model's layer (kept, not copied: longer forwards use it). max_rows: forwards with more
@@ -37,6 +41,8 @@ class Int8DecodeLinear(nn.Module):
         q, scale = quantize_rows(linear.weight)
         self.register_buffer("q", q, persistent=False)  # (N, K) int8
         self.register_buffer("scale", scale, persistent=False)  # (N,) bf16
+        self.group: FusedSiblings | None = None
+        self.cols = slice(0, q.shape[0])  # this projection's columns of the group's output
 
     @property
     def weight(self):  # transformers and PEFT-style code read .weight / .bias of a projection
@@ -51,16 +57,52 @@ class Int8DecodeLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         if rows > self.max_rows or x.device.type != "cpu":
             return self.linear(x)
-        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1).to(torch.bfloat16), self.q, self.scale)
+        if self.group is not None:
+            y = self.group.output(x, rows)[:, self.cols]
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1).to(torch.bfloat16), self.q, self.scale)
         y = y.to(x.dtype)
         if self.linear.bias is not None:
             y = y + self.linear.bias
         return y.view(*x.shape[:-1], -1)
 
 
+class FusedSiblings:
+    """q/k/v (or gate/up) of one layer as one int8 matrix: the first of them called with an input computes
+    every sibling's output in one kernel call; the others, called with the same tensor (same object, not
+    modified since), take their columns. An input seen by one sibling only (another architecture's wiring)
+    still gets the right answer, at the cost of the whole group's matmul."""
+
+    def __init__(self, members: list[Int8DecodeLinear]):
+        self.q = torch.cat([m.q for m in members])  # (sum N, K) int8
+        self.scale = torch.cat([m.scale for m in members])
+        start = 0
+        for m in members:  # the members keep views into the stacked copy, not their own
+            n = m.q.shape[0]
+            m.q, m.scale, m.cols, m.group = (
+                self.q[start : start + n],
+                self.scale[start : start + n],
+                slice(start, start + n),
+                self,
+            )
+            start += n
+        # (input, its version, output): one tuple, swapped whole, so that threads sharing the model
+        # (several sessions decoding at once) never pair one input with another's output
+        self.last: tuple | None = None
+
+    def output(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        last = self.last
+        if last is not None and last[0] is x and last[1] == x._version:
+            return last[2]
+        y = torch.ops.aten._weight_int8pack_mm(x.reshape(rows, -1).to(torch.bfloat16), self.q, self.scale)
+        self.last = (x, x._version, y)
+        return y
+
+
 def install_int8_decode(model) -> int:
     """Wrap every nn.Linear inside the model's decoder layers (not the LM head, not the embeddings) in an
-    Int8DecodeLinear. Returns how many were wrapped (0 where the kernel is missing)."""
+    Int8DecodeLinear, and stack the siblings of FUSED_SIBLINGS. Returns how many were wrapped (0 where the
+    kernel is missing)."""
     if not int8_kernel_available():
         return 0
     from pqcache.engine.cache import decoder_layers
@@ -72,4 +114,9 @@ def install_int8_decode(model) -> int:
                 if isinstance(child, nn.Linear):
                     setattr(parent, name, Int8DecodeLinear(child))
                     wrapped += 1
+            for names in FUSED_SIBLINGS:
+                members = [getattr(parent, n, None) for n in names]
+                if all(isinstance(m, Int8DecodeLinear) for m in members):
+                    if len({m.q.shape[1] for m in members}) == 1:  # the same input width
+                        FusedSiblings(members)
     return wrapped
