@@ -174,6 +174,8 @@ def start_ray_workers(args: argparse.Namespace):
         concurrency=args.concurrency,
         pq_timeout_s=args.pq_timeout,
         max_document_tokens=args.max_document_tokens,
+        dtype=args.dtype,
+        decode_weights=args.decode_weights,
     )
 
 

@@ -24,6 +24,18 @@ def _ids(n, seed=0):
     return torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
+def assert_full_budget_equals_full_attention(model, seed: int, tol: float):
+    """Greedy decoding of 80 random ids: PQCache at a full budget gives full attention's tokens and scores."""
+    ids = _ids(80, seed=seed)
+    with torch.no_grad():
+        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config))
+        cache = PQCache(model, FULL_BUDGET)
+        seq, scores = greedy_generate(model, ids, cache)
+    assert all(layer.stats["steps"] == 5 for layer in cache.pq_layers), "decode must run through the PQ path"
+    torch.testing.assert_close(scores, ref_scores, rtol=tol, atol=tol)
+    assert torch.equal(seq, ref_seq)
+
+
 @pytest.mark.parametrize("method", ["full", "pqcache"])
 @pytest.mark.parametrize("chunk", [10, 48])  # smaller and larger than the tiny Gemma 3's window of 24
 def test_chunked_prefill_equals_one_forward(arch, method, chunk):
@@ -66,15 +78,7 @@ def test_chunked_prefill_keeps_sliding_layers_banded_and_builds_pq_once():
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_full_budget_equals_full_attention_in_bf16(arch):
-    model = tiny_model(arch).to(torch.bfloat16)
-    ids = _ids(80, seed=1)
-    with torch.no_grad():
-        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config))
-        cache = PQCache(model, FULL_BUDGET)
-        seq, scores = greedy_generate(model, ids, cache)
-    assert all(layer.stats["steps"] == 5 for layer in cache.pq_layers), "decode must run through the PQ path"
-    torch.testing.assert_close(scores, ref_scores, rtol=2e-2, atol=2e-2)
-    assert torch.equal(seq, ref_seq)
+    assert_full_budget_equals_full_attention(tiny_model(arch).to(torch.bfloat16), seed=1, tol=2e-2)
 
 
 def test_resolve_dtype(monkeypatch):
@@ -171,14 +175,7 @@ def test_int8_decode_keeps_full_budget_equal_to_full_attention(arch):
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.q_proj.group is attn.v_proj.group is not None and attn.o_proj.group is None
     assert mlp.gate_proj.group is mlp.up_proj.group is not None and mlp.down_proj.group is None
-    ids = _ids(80, seed=2)
-    with torch.no_grad():
-        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config))
-        cache = PQCache(model, FULL_BUDGET)
-        seq, scores = greedy_generate(model, ids, cache)
-    assert all(layer.stats["steps"] == 5 for layer in cache.pq_layers), "decode must run through the PQ path"
-    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
-    assert torch.equal(seq, ref_seq)
+    assert_full_budget_equals_full_attention(model, seed=2, tol=1e-5)
 
 
 def test_load_model_rejects_unknown_decode_weights():

@@ -58,8 +58,11 @@ def start_workers(
     concurrency: int = 2,
     pq_timeout_s: float | None = 120.0,
     max_document_tokens: int | None = None,
+    dtype: str | None = None,
+    decode_weights: str = "int8",
 ) -> ClusterDocuments:
-    """Deploy `replicas` document workers (each loads the model: waits until all are up) and return the client."""
+    """Deploy `replicas` document workers (each loads the model with `dtype` and `decode_weights`, as
+    load_model: waits until all are up) and return the client."""
     from ray import serve
 
     from pqcache.cluster.replica import DocumentReplica
@@ -78,7 +81,15 @@ def start_workers(
     worker = serve.deployment(DocumentReplica)
     workers = [
         worker.options(name=worker_name(i), **options).bind(
-            model, max_bytes, idle_s, concurrency, pq_timeout_s, max_document_tokens, max(1, int(replica_cpus))
+            model,
+            max_bytes,
+            idle_s,
+            concurrency,
+            pq_timeout_s,
+            max_document_tokens,
+            max(1, int(replica_cpus)),
+            dtype,
+            decode_weights,
         )
         for i in range(replicas)
     ]

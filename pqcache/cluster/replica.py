@@ -72,6 +72,8 @@ class DocumentReplica:
         pq_timeout_s: float | None = 120.0,
         max_document_tokens: int | None = None,
         threads: int = 1,
+        dtype: str | None = None,
+        decode_weights: str = "int8",
     ):
         import torch
 
@@ -81,7 +83,13 @@ class DocumentReplica:
 
         torch.set_num_threads(max(1, threads))
         limit_malloc_arenas()
-        model, tokenizer = load_model(model, device="cpu", progress=lambda msg: print(msg, flush=True))
+        model, tokenizer = load_model(
+            model,
+            device="cpu",
+            dtype=dtype,
+            decode_weights=decode_weights,
+            progress=lambda msg: print(msg, flush=True),
+        )
         pool = SessionPool(max_bytes=max_bytes, idle_s=idle_s)
         if pool.idle_s is not None:
             pool.start_reaper(every_s=min(5.0, pool.idle_s / 4))
