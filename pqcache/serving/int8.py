@@ -1,8 +1,8 @@
 """Int8 weight-only decoder linears for decode steps: a CPU decode step reads every weight once per token.
 
-The bundled model's 18 decoder layers hold 100M weights: 400 MB to read per token in float32 (32 ms on the
-2-core test machine), 100 MB as int8 rows with one bf16 scale each (8 ms, torch's own `_weight_int8pack_mm`
-kernel, which wants bf16 activations). Forwards with more rows than `max_rows` (a prefill chunk, scoring)
+The bundled model's 18 decoder layers hold 100M weights: 400 MB to read per token in float32, 100 MB as int8 rows
+with one bf16 scale each (torch's own `_weight_int8pack_mm` kernel, which wants bf16 activations; the end-to-end
+effect is in docs/benchmarks.md). Forwards with more rows than `max_rows` (a prefill chunk, scoring)
 use the model's own weights, so the prompt's keys and values, and with them the PQ codes, are the model's;
 only the few-row decode steps read the int8 copy. Greedy answers can differ from float32 decoding
 (W8A16 rounding); the quality guard in docs/results.md measures that, and `decode_weights="model"` turns it off.
