@@ -5,6 +5,7 @@ python scripts/decode_probe.py ops --seq-len 4096                      # profile
 python scripts/decode_probe.py ab --seq-len 8192 --what threads        # one-process A/B: 2 threads vs 1
 python scripts/decode_probe.py ab --seq-len 4096 --what fused          # stacked q/k/v, gate/up vs separate
 python scripts/decode_probe.py head                                    # LM head kernels and exact-argmax bounds
+python scripts/decode_probe.py parts --seq-len 8192                    # wall-clock ms of the PQ layers' parts
 
 Each prefills one prompt (the passkey filler) and decodes greedily. A/B runs alternate bursts of 5 timed decode
 steps between settings A and B after one prefill, so the machine's drifts hit both; they print the median,
@@ -103,6 +104,50 @@ def ops(args):
         print(f"{r.name:22s} {inside:5d} events {r.cpu_time_total / 1e3:7.2f} ms")
 
 
+def parts(args):
+    """Wall-clock time (no profiler) of the PQ layers' attention and its parts, summed over the 3 layers, per step."""
+    import pqcache.engine.layer.blockcache as blockcache
+    import pqcache.engine.layer.layer as layer
+    import pqcache.engine.layer.window as window
+    import pqcache.engine.methods.pqcache as method
+
+    total, calls = collections.Counter(), collections.Counter()
+
+    def timed(owner, name):
+        f = getattr(owner, name)
+
+        @functools.wraps(f)
+        def call(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return f(*a, **k)
+            finally:
+                total[name] += time.perf_counter() - t0
+                calls[name] += 1
+
+        setattr(owner, name, call)
+
+    for owner, name in [
+        (layer.PQLayer, "attend"),
+        (method.PQCacheMethod, "search"),
+        (method, "rerank_exact"),
+        (window.DeviceWindow, "fetch"),
+        (blockcache.BlockCache, "admit"),
+        (layer, "masked_attention"),
+        (layer.PQLayer, "_append"),
+    ]:
+        timed(owner, name)
+    model, _, cache, token = prefilled(args.seq_len, "pqcache")
+    token = steps(model, cache, token, 3)
+    total.clear()
+    calls.clear()
+    t0 = time.perf_counter()
+    steps(model, cache, token, args.steps)
+    print(f"whole step {(time.perf_counter() - t0) / args.steps * 1e3:7.2f} ms")
+    for name, s in total.most_common():
+        print(f"{name:18s} {s / args.steps * 1e3:7.2f} ms/step ({calls[name] // args.steps} calls a step)")
+
+
 def labelled(f, label: str, record_function):
     """f, its calls shown as a `label` range in the profiler."""
 
@@ -154,13 +199,16 @@ def ab(args):
 
 
 def head(args):
-    """The LM head (262,144 x 640) as int8 and int4 kernels, and how many candidates each one's exact-argmax bound
-    leaves on real hidden states."""
+    """The LM head (262,144 x 640): its int8 and int4 kernels, then the exact-argmax head (pqcache/serving/lmhead.py)
+    with its int4 stage and without it (the int8 pass over every row), A/B in one process, and how many candidates
+    each stage leaves on real hidden states."""
+    from pqcache.serving.lmhead import GROUP
+
     model, tok = load_model("default", device="cpu", progress=lambda *_: None)
-    w = model.lm_head.head.weight.detach().float()  # (V, D)
-    V, D = w.shape
+    fast = model.lm_head
+    V = fast.q.shape[0]
     with torch.no_grad():
-        h = model.model(input_ids=torch.tensor([prompt_ids(tok, 512)])).last_hidden_state[0, ::8]  # (64, D)
+        h = model.model(input_ids=torch.tensor([prompt_ids(tok, 1024)])).last_hidden_state[0, ::4]  # (256, D)
     x = h[:1].bfloat16()
 
     def ms(f, n=20):
@@ -170,46 +218,57 @@ def head(args):
             f()
         return (time.perf_counter() - t0) / n * 1e3
 
-    fast = model.lm_head
-    print(f"int8 (_weight_int8pack_mm): {ms(lambda: torch.ops.aten._weight_int8pack_mm(x, fast.q, fast.scale)):.1f} ms")
-    print(f"||h||_1 of the final hidden states: mean {h.abs().sum(-1).mean():.0f} over {D} dims")
-    exact = h @ w.T
-    for gs in (32, 128):
-        g = D // gs
-        wg = w.view(V, g, gs)
-        lo, hi = wg.amin(-1), wg.amax(-1)
-        scale = ((hi - lo) / 15).clamp(min=1e-8).bfloat16()
-        zero = (lo + 8 * scale.float()).bfloat16()
-        q = torch.round((wg - (zero.float() - 8 * scale.float())[..., None]) / scale.float()[..., None]).clamp(0, 15)
-        err = (wg - ((q - 8) * scale.float()[..., None] + zero.float()[..., None])).abs().amax(-1)  # (V, g)
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(V, D).to(torch.int32), 1)
-        sz = torch.stack([scale, zero], -1).transpose(0, 1).contiguous()
-        t = ms(functools.partial(torch.ops.aten._weight_int4pack_mm_for_cpu, x, packed, gs, sz))
-        approx = torch.ops.aten._weight_int4pack_mm_for_cpu(h.bfloat16(), packed, gs, sz).float()
-        bound = h.abs().view(-1, g, gs).sum(-1) @ err.T + (h - h.bfloat16().float()).abs().sum(
-            -1, keepdim=True
-        ) * w.abs().amax(1)
-        bound += approx.abs() * 2**-7
-        cand = ((approx + bound) >= (approx - bound).amax(-1, keepdim=True)).sum(-1).float()
-        assert bool(
-            ((approx + bound) >= (approx - bound).amax(-1, keepdim=True))
-            .gather(1, exact.argmax(-1, keepdim=True))
-            .all()
+    int8 = functools.partial(torch.ops.aten._weight_int8pack_mm, x, fast.q, fast.scale)
+    print(f"int8 kernel (_weight_int8pack_mm) over all rows: {ms(int8):.1f} ms")
+    if not fast.int4:
+        print("no int4 stage here (torch lacks _weight_int4pack_mm_for_cpu): nothing to compare")
+        return
+    int4 = functools.partial(torch.ops.aten._weight_int4pack_mm_for_cpu, x, fast.packed, GROUP, fast.scales_and_zeros)
+    print(f"int4 kernel (_weight_int4pack_mm_for_cpu, groups of {GROUP}) over all rows: {ms(int4):.1f} ms")
+    c1, c2 = [], []
+    with torch.no_grad():
+        for row in h:  # one decode-sized forward per hidden state
+            before = dict(fast.stats)
+            fast(row.view(1, 1, -1))
+            c1.append(fast.stats["int4_candidates"] - before["int4_candidates"])
+            c2.append(fast.stats["candidates"] - before["candidates"])
+    c1, c2 = torch.tensor(c1).float(), torch.tensor(c2).float()
+    for name, c in (("int4 survivors (C1)", c1), ("int8 survivors (C2, exact logits)", c2)):
+        p = [f"{c.quantile(q / 100):.0f}" for q in (50, 90, 99)]
+        print(
+            f"{name} per row of {V}, {len(c)} hidden states: median {p[0]}, p90 {p[1]}, p99 {p[2]}, max {c.max():.0f}"
         )
-        print(f"int4, groups of {gs}: {t:.1f} ms; exact-argmax candidates per row of {V}: ", end="")
-        print(f"median {cand.median():.0f}, max {cand.max():.0f}")
+    n_big = int((c1 > fast.max_int4_candidates).sum())
+    print(f"int8 stage over every row (C1 > {fast.max_int4_candidates}): {n_big} of {len(c1)}")
+    times = {"int4+int8": [], "int8 only": []}
+    with torch.no_grad():
+        for rnd in range(10):  # alternating bursts of 5 calls; the first call after a switch is not timed
+            for name in ("int4+int8", "int8 only") if rnd % 2 == 0 else ("int8 only", "int4+int8"):
+                fast.int4 = name == "int4+int8"
+                fast(h[rnd].view(1, 1, -1))
+                for i in range(5):
+                    row = h[(rnd * 5 + i) % len(h)].view(1, 1, -1)
+                    t0 = time.perf_counter()
+                    fast(row)
+                    times[name].append((time.perf_counter() - t0) * 1e3)
+    fast.int4 = True
+    for name, ts in times.items():
+        q1 = statistics.quantiles(ts, n=4)[0]
+        print(
+            f"exact-argmax head, {name}: median {statistics.median(ts):.2f}  p25 {q1:.2f}  min {min(ts):.2f} ms per row"
+        )
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["hooks", "ops", "ab", "head"])
+    p.add_argument("mode", choices=["hooks", "ops", "ab", "head", "parts"])
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument("--what", choices=["threads", "fused"], default="threads", help="ab: what A and B differ in")
-    p.add_argument("--steps", type=int, default=10, help="hooks: decode steps timed")
+    p.add_argument("--steps", type=int, default=10, help="hooks, parts: decode steps timed")
     args = p.parse_args()
     torch.set_num_threads(2)
-    {"hooks": hooks, "ops": ops, "ab": ab, "head": head}[args.mode](args)
+    {"hooks": hooks, "ops": ops, "ab": ab, "head": head, "parts": parts}[args.mode](args)
 
 
 if __name__ == "__main__":

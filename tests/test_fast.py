@@ -126,6 +126,97 @@ def test_exact_argmax_head_keeps_a_models_greedy_tokens():
     assert torch.equal(seq, ref)
 
 
+def _near_tied_head(dtype, V=4000, D=64, tied=50, noise=1e-4):
+    """A random head (V not a multiple of the int4 kernel's 64-row blocks) whose rows 1..tied-1 differ from row 0
+    by far less than an int4 or int8 step."""
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(D, V, bias=False).to(dtype).requires_grad_(False)
+    head.weight.copy_(torch.randn(V, D, generator=g) * 0.05)
+    head.weight[1:tied] = head.weight[0] + noise * torch.randn(tied - 1, D, generator=g).to(dtype)
+    return head, g
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_argmax_head_int4_then_int8_stages_keep_the_exact_argmax(dtype):
+    """The int4 pass narrows the vocabulary, the int8 pass scores only its survivors, and the argmax is still the
+    exact head's, near-ties included (rows closer than an int4 step, hidden states pointing at them)."""
+    head, g = _near_tied_head(dtype)
+    fast_head = ExactArgmaxHead(head)
+    assert fast_head.int4, "torch's int4 CPU kernel is missing"
+    tied_wins = 0
+    with torch.no_grad():
+        for i in range(200):
+            h = torch.randn(1, 1, 64, generator=g) * (0.5 + i / 20)
+            if i % 4 == 0:  # towards the near-tied rows, off by a little
+                h = head.weight[None, None, 0].float() * 20 + 0.05 * torch.randn(1, 1, 64, generator=g)
+            h = h.to(dtype)
+            exact, fast_logits = head(h), fast_head(h)
+            assert int(fast_logits.argmax(-1)) == int(exact.argmax(-1)), i
+            torch.testing.assert_close(fast_logits.max(), exact.max())  # the winner's logit is exact
+            tied_wins += int(exact.argmax(-1)) < 50
+    stats = fast_head.stats
+    assert tied_wins >= 40 and stats["steps"] == 200
+    assert stats["int4_fallbacks"] == 0 and stats["exact_fallbacks"] == 0
+    # stage 1 ran and narrowed (under 5% of the rows survive it); stage 2 narrowed its survivors further
+    assert 200 <= stats["int4_candidates"] < 200 * 4000 // 20
+    assert 200 <= stats["candidates"] < stats["int4_candidates"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_argmax_head_bounds_hold_and_are_tight(dtype):
+    """Each stage's bound covers |exact logit - score| for every row, and is nearly reached when the hidden
+    state points along a row's quantization error (Cauchy-Schwarz is tight there): a bound half as big fails."""
+    head, g = _near_tied_head(dtype)
+    fast_head = ExactArgmaxHead(head)
+    w = head.weight.float()
+    D = w.shape[1]
+    # the dequantized weights as the kernels see them (to bf16 precision): their products with the unit vectors
+    w4 = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        torch.eye(D, dtype=torch.bfloat16),
+        fast_head.packed,
+        D // len(fast_head.scales_and_zeros),
+        fast_head.scales_and_zeros,
+    ).T.float()  # (V', D)
+    w8 = fast_head.q.float() * fast_head.scale.float()[:, None]  # (V, D)
+    with torch.no_grad():
+        for stage, deq in (("int4", w4), ("int8", w8)):
+            for i in torch.randint(0, 4000, (20,), generator=g).tolist():
+                err = w[i] - deq[i]
+                # bf16 already: no rounding of h in the bound, whose weight-error term is then nearly reached
+                h = (err / err.norm() * (1 + i % 7)).bfloat16().to(dtype)
+                exact = head(h[None, None])[0, 0].float()  # (V,)
+                acts = fast_head.activations(h[None])
+                score, bound = fast_head.int4_scores(acts) if stage == "int4" else fast_head.int8_scores(acts)
+                gap = (exact - score[0]).abs()
+                assert bool((gap <= bound[0]).all()), (stage, i)
+                assert float(gap[i]) >= 0.5 * float(bound[0, i]), (stage, i, float(gap[i]), float(bound[0, i]))
+
+
+def test_exact_argmax_head_falls_back_on_flat_distributions(monkeypatch):
+    """A flat top (2,000 rows within an int8 step of each other) leaves more int4 survivors than the cap: the int8
+    pass reads every row, and more final candidates than max_candidates: the exact head. Without the int4
+    kernel the head skips stage 1. The argmax is the exact head's each time."""
+    head, g = _near_tied_head(torch.float32, tied=2000, noise=1e-5)
+    flat = head.weight[None, None, 0] * 20  # all 2,000 tied rows score about the same
+    spiky = torch.randn(3, 1, 64, generator=g) * 3
+    with torch.no_grad():
+        capped = ExactArgmaxHead(head, max_int4_candidates=1000)
+        for h in (flat, *spiky.split(1)):
+            assert int(capped(h).argmax(-1)) == int(head(h).argmax(-1))
+        assert capped.stats["int4_fallbacks"] == 1 and capped.stats["exact_fallbacks"] == 0
+        assert capped.stats["candidates"] > 1000  # the flat step's exact logits were computed for the tied rows
+        nan = torch.full((1, 1, 64), float("nan"))  # no int4 candidate at all: the full int8 pass, no error
+        assert capped(nan).shape == (1, 1, 4000) and capped.stats["int4_fallbacks"] == 2
+        exact_only = ExactArgmaxHead(head, max_candidates=100)
+        assert torch.equal(exact_only(flat), head(flat)) and exact_only.stats["exact_fallbacks"] == 1
+        monkeypatch.setattr("pqcache.serving.lmhead.int4_kernel_available", lambda: False)
+        int8_only = ExactArgmaxHead(head)
+        assert not int8_only.int4
+        for h in (flat, *spiky.split(1)):
+            assert int(int8_only(h).argmax(-1)) == int(head(h).argmax(-1))
+        assert int8_only.stats["int4_candidates"] == 0 and int8_only.stats["steps"] == 4
+
+
 def test_int8_decode_linear_is_close_for_few_rows_and_exact_for_many():
     g = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 48).requires_grad_(False)
@@ -141,6 +232,20 @@ def test_int8_decode_linear_is_close_for_few_rows_and_exact_for_many():
         torch.testing.assert_close(approx, exact, rtol=0, atol=0.02 * float(exact.abs().max()))
         many = torch.randn(1, 5, 64, generator=g)  # more rows than max_rows: a prefill chunk
         assert torch.equal(fast_linear(many), linear(many))
+
+
+def test_int8_decode_leaves_linears_the_kernel_cannot_take():
+    """_weight_int8pack_mm needs an input width that is a multiple of 16: other linears keep the model's weights."""
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    block = torch.nn.Module()
+    block.self_attn = torch.nn.Module()
+    block.self_attn.q_proj, block.self_attn.o_proj = torch.nn.Linear(64, 32), torch.nn.Linear(24, 64)
+    block.self_attn.layer_idx = 0
+    model.model.layers = torch.nn.ModuleList([block])
+    assert install_int8_decode(model) == 1
+    assert isinstance(block.self_attn.q_proj, Int8DecodeLinear)
+    assert type(block.self_attn.o_proj) is torch.nn.Linear
 
 
 def test_fused_siblings_give_each_projection_its_own_output():

@@ -93,12 +93,16 @@ def lookup_tables(q: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
 def approx_scores(tables: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
     """tables (B, H, m, C, R), codes (B, H, m, S) uint8 -> scores (B, H, S, R) = sum_j table[j, code_j].
 
-    One embedding lookup per sub-space over a flattened table: each code fetches its R contiguous
-    table entries, the codes are widened only to int32 (never int64), and the m lookups accumulate
-    in place, so the codes are read once.
+    Embedding lookups over a flattened table: each code fetches its R contiguous table entries and
+    the codes are widened only to int32 (never int64). For a few query rows (a decode step) one
+    lookup serves all m sub-spaces; for many (a chunk) the m lookups accumulate in place, so the
+    (m, S, R) intermediate never exists.
     """
     B, H, m, C, R = tables.shape
     flat = tables.reshape(B * H * m * C, R)
+    if R <= 16:
+        offset = torch.arange(B * H * m, device=codes.device, dtype=torch.int32).view(B, H, m, 1) * C
+        return F.embedding(codes.to(torch.int32) + offset, flat).sum(2)  # (B, H, m, S, R) -> (B, H, S, R)
     base = (torch.arange(B * H, device=codes.device, dtype=torch.int32) * (m * C)).view(B, H, 1)
     out = None
     for j in range(m):

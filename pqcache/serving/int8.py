@@ -100,9 +100,9 @@ class FusedSiblings:
 
 
 def install_int8_decode(model) -> int:
-    """Wrap every nn.Linear inside the model's decoder layers (not the LM head, not the embeddings) in an
-    Int8DecodeLinear, and stack the siblings of FUSED_SIBLINGS. Returns how many were wrapped (0 where the
-    kernel is missing)."""
+    """Wrap every nn.Linear inside the model's decoder layers (not the LM head, not the embeddings; not one whose
+    input width the kernel cannot take) in an Int8DecodeLinear, and stack the siblings of FUSED_SIBLINGS.
+    Returns how many were wrapped (0 where the kernel is missing)."""
     if not int8_kernel_available():
         return 0
     from pqcache.engine.cache import decoder_layers
@@ -111,7 +111,8 @@ def install_int8_decode(model) -> int:
     for _, layer in decoder_layers(model):
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear):
+                # _weight_int8pack_mm reads past rows whose length is not a multiple of 16 (garbage, or a crash)
+                if isinstance(child, nn.Linear) and child.in_features % 16 == 0:
                     setattr(parent, name, Int8DecodeLinear(child))
                     wrapped += 1
             for names in FUSED_SIBLINGS:

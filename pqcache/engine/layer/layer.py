@@ -174,7 +174,7 @@ class PQLayer(CacheLayerMixin):
         out = []
         for b, n_real in enumerate(w.n_real):  # real tokens of each row, kept by the window as they arrive
             n_init, n_topk, n_local = self.method.split(self.config, n_real, view)
-            out.append(max(0, n_init + n_topk + n_local - int(w.init_valid[b].sum()) - w.n_local[b]))
+            out.append(max(0, n_init + n_topk + n_local - w.n_init_valid[b] - w.n_local[b]))
         return out
 
     def candidates(self) -> torch.Tensor:

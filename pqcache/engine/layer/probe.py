@@ -41,7 +41,6 @@ def probe(
     keys = host.keys(0, S, device=layer.device, dtype=torch.float32)
     exact = (q.float() * scaling) @ keys.transpose(-1, -2)  # (B, H, R, S)
     valid = host.valid[:, :S]
-    probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)  # (B, H, R, S)
     if obs.wants_attention(step):
         probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)  # (B, H, R, S)
         obs.record_attention(layer.layer_idx, step, probs.sort(-1, descending=True).values.mean((0, 1, 2)))

@@ -41,6 +41,7 @@ class DeviceWindow:
         key = torch.where(is_init, rank, torch.full_like(rank, S + 1))
         self.init_pos = key.argsort(dim=1, stable=True)[:, : self.n_init]  # (B, n_init)
         self.init_valid = is_init.gather(1, self.init_pos)
+        self.n_init_valid = [int(n) for n in is_init.sum(1).tolist()]  # sinks of each row (read every step)
 
         self.k_cap = self.q_cap = 0
         self.ensure(1, 1)
