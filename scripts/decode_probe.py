@@ -6,6 +6,7 @@ python scripts/decode_probe.py ab --seq-len 8192 --what threads        # one-pro
 python scripts/decode_probe.py ab --seq-len 4096 --what fused          # stacked q/k/v, gate/up vs separate
 python scripts/decode_probe.py head                                    # LM head kernels and exact-argmax bounds
 python scripts/decode_probe.py parts --seq-len 8192                    # wall-clock ms of the PQ layers' parts
+python scripts/decode_probe.py omp --seq-len 1024                      # decode beside a thread with OpenMP helpers
 
 Each prefills one prompt (the passkey filler) and decodes greedily. A/B runs alternate bursts of 5 timed decode
 steps between settings A and B after one prefill, so the machine's drifts hit both; they print the median,
@@ -148,6 +149,47 @@ def parts(args):
         print(f"{name:18s} {s / args.steps * 1e3:7.2f} ms/step ({calls[name] // args.steps} calls a step)")
 
 
+def omp(args):
+    """Decode steps with transformers' cache on this thread: alone, while another live thread has run a parallel
+    torch operator without confinement (what the K-Means builder did before pqcache/engine/threads.py), and after
+    that thread ended. libgomp's throttled waiting shows in the middle one."""
+    import threading
+
+    from transformers import DynamicCache
+
+    model, tok = load_model("default", device="cpu", progress=lambda *_: None)
+    cache = DynamicCache(config=model.config)
+    token = prefill(model, torch.tensor([prompt_ids(tok, args.seq_len)]), cache).argmax(-1, keepdim=True)
+
+    def median_step() -> float:
+        nonlocal token
+        token = steps(model, cache, token, 3)
+        ts = []
+        for _ in range(args.steps):
+            t0 = time.perf_counter()
+            token = steps(model, cache, token, 1)
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+    alone = median_step()
+    ready, leave = threading.Event(), threading.Event()
+
+    def other():
+        (torch.randn(512, 512) @ torch.randn(512, 512)).sum()  # starts this thread's OpenMP team
+        ready.set()
+        leave.wait()
+
+    worker = threading.Thread(target=other, daemon=True)
+    worker.start()
+    ready.wait()
+    beside = median_step()
+    leave.set()
+    worker.join()
+    after = median_step()
+    print(f"median decode step: alone {alone:.1f} ms, beside a thread with OpenMP helpers {beside:.1f} ms, ", end="")
+    print(f"after it ended {after:.1f} ms")
+
+
 def labelled(f, label: str, record_function):
     """f, its calls shown as a `label` range in the profiler."""
 
@@ -261,14 +303,14 @@ def head(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["hooks", "ops", "ab", "head", "parts"])
+    p.add_argument("mode", choices=["hooks", "ops", "ab", "head", "parts", "omp"])
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument("--what", choices=["threads", "fused"], default="threads", help="ab: what A and B differ in")
-    p.add_argument("--steps", type=int, default=10, help="hooks, parts: decode steps timed")
+    p.add_argument("--steps", type=int, default=10, help="hooks, parts, omp: decode steps timed")
     args = p.parse_args()
     torch.set_num_threads(2)
-    {"hooks": hooks, "ops": ops, "ab": ab, "head": head, "parts": parts}[args.mode](args)
+    {"hooks": hooks, "ops": ops, "ab": ab, "head": head, "parts": parts, "omp": omp}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pqcache.engine.layer.layer import PQLayer
 from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 from pqcache.engine.methods import Method, make_method
 from pqcache.engine.shapes import head_dim_of
+from pqcache.engine.threads import torch_on_this_thread_only
 
 ATTN_NAME = "pqcache"
 _active = threading.local()
@@ -66,6 +67,12 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
     return layer.attend(query, new_valid, scaling, softcap=kwargs.get("softcap")), None
 
 
+def kmeans_executor() -> ThreadPoolExecutor:
+    """The cache's background builder: one thread, whose torch operators run without OpenMP helpers (threads.py:
+    helpers of a second thread would slow every decode step down)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans", initializer=torch_on_this_thread_only)
+
+
 def kv_bytes(layer) -> int:
     """Bytes of K and V held by a plain transformers cache layer (DynamicLayer, sliding window)."""
     keys = getattr(layer, "keys", None)
@@ -101,7 +108,7 @@ class PQCache(Cache):
         model_config = getattr(model, "config", model)
         text_config = model_config.get_text_config(decoder=True)
         self.pq_config = self.pq_config.for_head_dim(head_dim_of(text_config))
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans")
+        self.executor = kmeans_executor()
         fit = load_fit() if self.pq_config.kmeans_iters == "auto" else None  # read once per cache
         iters_for = partial(kmeans_iters_for, self.pq_config.kmeans_iters, fit=fit)
         layer_types, per_layer_kwargs = get_layer_types_and_kwargs(text_config)
@@ -226,7 +233,7 @@ class PQCache(Cache):
         new.method = make_method(method)
         if config is not None:
             new.pq_config = config.for_head_dim(self.layers[self.pq_layers[0].layer_idx].host.D)
-        new.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="pqcache-kmeans")
+        new.executor = kmeans_executor()
         new.observer, new._hooks = None, []
         new.layers = [
             layer.fork(new.method, new.executor, new.pq_config) if isinstance(layer, PQLayer) else copy.deepcopy(layer)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from pqcache.engine.threads import on_a_passing_thread
 from pqcache.serving.fast import resolve_dtype
 from pqcache.serving.int8 import DECODE_WEIGHTS, install_int8_decode
 from pqcache.serving.lmhead import install_exact_argmax_head
@@ -102,7 +103,12 @@ def load_model(
     """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M. dtype: None (float32 on a CPU,
     bf16 on CUDA), "auto" (bf16 where the CPU has native bf16), "float32", "bfloat16" or a torch.dtype (fast.py).
     decode_weights: "int8" (on a CPU, decode steps read int8 copies of the decoder linears: int8.py) or
-    "model" (every forward reads the model's own weights)."""
+    "model" (every forward reads the model's own weights). The work runs on a thread that ends with it, so the
+    caller's thread keeps no OpenMP helpers that would slow decoding on other threads (engine/threads.py)."""
+    return on_a_passing_thread(_load_model, name_or_path, device, dtype, device_map, progress, decode_weights)
+
+
+def _load_model(name_or_path, device, dtype, device_map, progress, decode_weights):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if decode_weights not in DECODE_WEIGHTS:
