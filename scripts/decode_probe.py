@@ -19,14 +19,17 @@ import argparse
 import collections
 import functools
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 
-from pqcache.engine.config import PQCacheConfig
-from pqcache.serving.generate import decode_one_token, make_cache, prefill
-from pqcache.serving.loading import load_model
-from pqcache.tools.e2e import prompt_ids
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout: the repo's pqcache
+from pqcache.engine.config import PQCacheConfig  # noqa: E402
+from pqcache.serving.generate import decode_one_token, make_cache, prefill  # noqa: E402
+from pqcache.serving.loading import load_model  # noqa: E402
+from pqcache.tools.e2e import prompt_ids  # noqa: E402
 
 
 def prefilled(seq_len: int, method: str):
