@@ -24,8 +24,10 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-def int8_kernel_available() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int8pack_mm")
+def int8_kernel_takes(in_features: int) -> bool:
+    """Whether torch's int8-weight kernel exists and can take rows of this width (it reads past rows whose length
+    is not a multiple of 16: garbage, or a crash)."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm") and in_features % 16 == 0
 
 
 # Sibling projections that read the same input: one matmul over their stacked int8 rows serves them all.
@@ -103,16 +105,13 @@ def install_int8_decode(model) -> int:
     """Wrap every nn.Linear inside the model's decoder layers (not the LM head, not the embeddings; not one whose
     input width the kernel cannot take) in an Int8DecodeLinear, and stack the siblings of FUSED_SIBLINGS.
     Returns how many were wrapped (0 where the kernel is missing)."""
-    if not int8_kernel_available():
-        return 0
     from pqcache.engine.cache import decoder_layers
 
     wrapped = 0
     for _, layer in decoder_layers(model):
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
-                # _weight_int8pack_mm reads past rows whose length is not a multiple of 16 (garbage, or a crash)
-                if isinstance(child, nn.Linear) and child.in_features % 16 == 0:
+                if isinstance(child, nn.Linear) and int8_kernel_takes(child.in_features):
                     setattr(parent, name, Int8DecodeLinear(child))
                     wrapped += 1
             for names in FUSED_SIBLINGS:

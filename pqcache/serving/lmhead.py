@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pqcache.serving.int8 import int8_kernel_available, quantize_rows
+from pqcache.serving.int8 import int8_kernel_takes, quantize_rows
 
 BF16_UNIT = 2.0**-8  # unit roundoff of bf16 (8 significant bits, round to nearest): |bf16(v) - v| <= 2**-8 |v|
 # x |score|: the kernel's bf16 output rounding and, in a bf16 model, the exact head's (of |h.w| <= |score| +
@@ -173,9 +173,7 @@ def install_exact_argmax_head(model) -> ExactArgmaxHead | None:
     """Swap the model's LM head for an ExactArgmaxHead (CPU only; None when the model has no plain head, the
     int8 kernel is missing or cannot take the hidden size). The original head is kept inside it."""
     head = getattr(model, "lm_head", None)
-    if not isinstance(head, nn.Linear) or head.bias is not None or not int8_kernel_available():
-        return None
-    if head.in_features % 16:  # _weight_int8pack_mm reads past rows of other lengths (garbage, or a crash)
+    if not isinstance(head, nn.Linear) or head.bias is not None or not int8_kernel_takes(head.in_features):
         return None
     fast = ExactArgmaxHead(head)
     model.lm_head = fast
