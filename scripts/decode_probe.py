@@ -7,6 +7,7 @@ python scripts/decode_probe.py ab --seq-len 4096 --what fused          # stacked
 python scripts/decode_probe.py head                                    # LM head kernels and exact-argmax bounds
 python scripts/decode_probe.py parts --seq-len 8192                    # wall-clock ms of the PQ layers' parts
 python scripts/decode_probe.py omp --seq-len 1024                      # decode beside a thread with OpenMP helpers
+python scripts/decode_probe.py app                                     # the app's own answer rate (gradio_client)
 
 Each prefills one prompt (the passkey filler) and decodes greedily. A/B runs alternate bursts of 5 timed decode
 steps between settings A and B after one prefill, so the machine's drifts hit both; they print the median,
@@ -193,6 +194,24 @@ def omp(args):
     print(f"after it ended {after:.1f} ms")
 
 
+def app(args):
+    """`python app.py` as a user starts it, through gradio_client: load the sample document, then ask one plain
+    question four times (pqcache, full, pqcache, full) and print the page's own timing line of each answer."""
+    from gradio_client import Client, handle_file
+
+    from pqcache.serving.settings import LoadSettings
+    from pqcache.tools.loadtest import running_app
+
+    root = Path(__file__).resolve().parent.parent
+    with running_app() as (url, _):
+        client = Client(url, verbose=False)
+        document = handle_file(str(root / "assets" / "passkey_1k.txt"))
+        print(client.predict(document, "", *LoadSettings().values(), api_name="/load_document")[0].splitlines()[0])
+        for method in ("pqcache", "full", "pqcache", "full"):
+            job = client.submit("List the numbers from 1 to 100.", [], method, 64, "5", api_name="/ask")
+            print(list(job)[-1][1])
+
+
 def labelled(f, label: str, record_function):
     """f, its calls shown as a `label` range in the profiler."""
 
@@ -306,14 +325,14 @@ def head(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["hooks", "ops", "ab", "head", "parts", "omp"])
+    p.add_argument("mode", choices=["hooks", "ops", "ab", "head", "parts", "omp", "app"])
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument("--what", choices=["threads", "fused"], default="threads", help="ab: what A and B differ in")
     p.add_argument("--steps", type=int, default=10, help="hooks, parts, omp: decode steps timed")
     args = p.parse_args()
     torch.set_num_threads(2)
-    {"hooks": hooks, "ops": ops, "ab": ab, "head": head, "parts": parts, "omp": omp}[args.mode](args)
+    {"hooks": hooks, "ops": ops, "ab": ab, "head": head, "parts": parts, "omp": omp, "app": app}[args.mode](args)
 
 
 if __name__ == "__main__":
