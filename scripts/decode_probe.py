@@ -4,6 +4,8 @@ python scripts/decode_probe.py hooks --seq-len 1024 --method pqcache   # ms per 
 python scripts/decode_probe.py ops --seq-len 4096                      # profiler events in the PQ layers' functions
 python scripts/decode_probe.py ab --seq-len 8192 --what threads        # one-process A/B: 2 threads vs 1
 python scripts/decode_probe.py ab --seq-len 4096 --what fused          # stacked q/k/v, gate/up vs separate
+python scripts/decode_probe.py ab --seq-len 8192 --what layer          # the short decode forward vs transformers'
+python scripts/decode_probe.py ab --seq-len 8192 --what int4           # int8 vs int4 decode weights
 python scripts/decode_probe.py head                                    # LM head kernels and exact-argmax bounds
 python scripts/decode_probe.py parts --seq-len 8192                    # wall-clock ms of the PQ layers' parts
 python scripts/decode_probe.py omp --seq-len 1024                      # decode beside a thread with OpenMP helpers
@@ -227,17 +229,50 @@ def settings(model, what: str):
     """(A, B): callables that switch the running model to setting A or B."""
     if what == "threads":
         return (lambda: torch.set_num_threads(2)), (lambda: torch.set_num_threads(1))
-    from pqcache.serving.int8 import Int8DecodeLinear
+    from pqcache.serving.decode_layer import FastDecodeLayer
+    from pqcache.serving.decode_weights import DecodeLinear
+    from pqcache.serving.quantize import WEIGHT_KINDS
 
-    linears = [m for m in model.modules() if isinstance(m, Int8DecodeLinear)]
+    layers = list(model.model.layers)
+    fast = [layer.__dict__.get("forward") for layer in layers]
+
+    def layer_forward(short: bool):
+        for layer, f in zip(layers, fast):
+            if short and isinstance(f, FastDecodeLayer):
+                layer.forward = f
+            else:
+                layer.__dict__.pop("forward", None)
+
+    if what == "layer":  # A: the short decode forward (decode_layer.py), B: transformers' layer forward
+        return (lambda: layer_forward(True)), (lambda: layer_forward(False))
+    linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
+    if what == "int4":  # A: the int8 copies the model was loaded with, B: int4 copies of the same linears
+        holders = {id(h): h for m in linears for h in (m, m.group) if h is not None and h.weights is not None}
+        other = {k: WEIGHT_KINDS["int4"][0](h.float_weight()) for k, h in holders.items()}
+        mine = {k: h.weights for k, h in holders.items()}
+
+        def use(copies):
+            for k, h in holders.items():
+                h.weights = copies[k]
+            for f in fast:  # the short forward holds the layer's copies too
+                if isinstance(f, FastDecodeLayer):
+                    f.bind()
+
+        return (lambda: use(mine)), (lambda: use(other))
+    # "fused": A: q/k/v and gate/up stacked, B: one matmul per projection (transformers' layer forward in both)
     groups = {m: m.group for m in linears}
+    own = {}
 
     def fused():
+        layer_forward(False)
         for m, g in groups.items():
             m.group = g
 
     def separate():
+        layer_forward(False)
         for m in linears:
+            if m.weights is None:
+                m.weights = own.setdefault(m, WEIGHT_KINDS[m.kind][0](m.linear.weight))
             m.group = None
 
     return fused, separate
@@ -328,7 +363,9 @@ def main():
     p.add_argument("mode", choices=["hooks", "ops", "ab", "head", "parts", "omp", "app"])
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
-    p.add_argument("--what", choices=["threads", "fused"], default="threads", help="ab: what A and B differ in")
+    p.add_argument(
+        "--what", choices=["threads", "fused", "layer", "int4"], default="threads", help="ab: what A and B differ in"
+    )
     p.add_argument("--steps", type=int, default=10, help="hooks, parts, omp: decode steps timed")
     args = p.parse_args()
     torch.set_num_threads(2)

@@ -10,8 +10,8 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 from pqcache import PQCache, PQCacheConfig
 from pqcache.serving import fast
+from pqcache.serving.decode_weights import DecodeLinear, FusedSiblings, install_decode_weights
 from pqcache.serving.generate import decode_n_tokens, make_cache, prefill
-from pqcache.serving.int8 import FusedSiblings, Int8DecodeLinear, install_int8_decode
 from pqcache.serving.lmhead import ExactArgmaxHead, install_exact_argmax_head
 from pqcache.tools import e2e
 
@@ -217,19 +217,21 @@ def test_exact_argmax_head_falls_back_on_flat_distributions(monkeypatch):
         assert int8_only.stats["int4_candidates"] == 0 and int8_only.stats["steps"] == 4
 
 
-def test_int8_decode_linear_is_close_for_few_rows_and_exact_for_many():
+@pytest.mark.parametrize("kind, tol", [("int8", 0.02), ("int4", 0.1)])
+def test_decode_linear_is_close_for_few_rows_and_exact_for_many(kind, tol):
     g = torch.Generator().manual_seed(0)
     linear = torch.nn.Linear(64, 48).requires_grad_(False)
     linear.weight.copy_(torch.randn(48, 64, generator=g) * 0.1)
-    fast_linear = Int8DecodeLinear(linear, max_rows=4)
+    fast_linear = DecodeLinear(linear, kind, max_rows=4)
     assert fast_linear.weight is linear.weight and fast_linear.bias is linear.bias
     x = torch.randn(1, 3, 64, generator=g)
     with torch.no_grad():
         approx, exact = fast_linear(x), linear(x)
         assert approx.shape == exact.shape and approx.dtype == exact.dtype
-        assert not torch.equal(approx, exact)  # the decode rows really read the int8 copy
-        # int8 rows (error <= half a step of the row's scale) and bf16 activations: about 1% of the output's size
-        torch.testing.assert_close(approx, exact, rtol=0, atol=0.02 * float(exact.abs().max()))
+        assert not torch.equal(approx, exact)  # the decode rows really read the quantized copy
+        # int8 rows (error <= half a step of the row's scale) and bf16 activations: about 1% of the output's size;
+        # int4 groups (16 levels over each group's range): several times that
+        torch.testing.assert_close(approx, exact, rtol=0, atol=tol * float(exact.abs().max()))
         many = torch.randn(1, 5, 64, generator=g)  # more rows than max_rows: a prefill chunk
         assert torch.equal(fast_linear(many), linear(many))
 
@@ -243,22 +245,23 @@ def test_int8_decode_leaves_linears_the_kernel_cannot_take():
     block.self_attn.q_proj, block.self_attn.o_proj = torch.nn.Linear(64, 32), torch.nn.Linear(24, 64)
     block.self_attn.layer_idx = 0
     model.model.layers = torch.nn.ModuleList([block])
-    assert install_int8_decode(model) == 1
-    assert isinstance(block.self_attn.q_proj, Int8DecodeLinear)
+    assert install_decode_weights(model) == 1
+    assert isinstance(block.self_attn.q_proj, DecodeLinear)
     assert type(block.self_attn.o_proj) is torch.nn.Linear
 
 
-def test_fused_siblings_give_each_projection_its_own_output():
-    """q/k/v stacked into one int8 matmul: each sibling's output equals its own int8 matmul, whichever is called
-    first, and an input changed in place (or a different input) is computed afresh."""
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_fused_siblings_give_each_projection_its_own_output(kind):
+    """q/k/v stacked into one quantized matmul: each sibling's output equals its own quantized matmul, whichever
+    is called first, and an input changed in place (or a different input) is computed afresh."""
     g = torch.Generator().manual_seed(1)
     linears = [
         torch.nn.Linear(64, n, bias=bias).requires_grad_(False) for n, bias in ((32, True), (16, False), (16, True))
     ]
-    alone = [Int8DecodeLinear(lin) for lin in linears]
-    fused = [Int8DecodeLinear(lin) for lin in linears]
+    alone = [DecodeLinear(lin, kind) for lin in linears]
+    fused = [DecodeLinear(lin, kind, quantize=False) for lin in linears]
     FusedSiblings(fused)
-    assert all(m.group is fused[0].group for m in fused)
+    assert all(m.group is fused[0].group and m.weights is None for m in fused)
     x = torch.randn(1, 1, 64, generator=g)
     with torch.no_grad():
         for order in ([0, 1, 2], [2, 0, 1]):
@@ -270,13 +273,15 @@ def test_fused_siblings_give_each_projection_its_own_output():
         assert torch.equal(fused[2](y), alone[2](y)) and torch.equal(fused[0](x), alone[0](x))
 
 
+@pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_int8_decode_keeps_full_budget_equal_to_full_attention(arch):
-    """Both caches decode through the same int8 linears: at a full budget PQCache still equals full attention."""
+def test_decode_weights_keep_full_budget_equal_to_full_attention(arch, kind):
+    """Both caches decode through the same quantized linears: at a full budget PQCache still equals full
+    attention."""
     model = tiny_model(arch)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())
-    assert install_int8_decode(model) == n_linear == 7 * len(model.model.layers)
-    assert not isinstance(model.lm_head, Int8DecodeLinear)  # the head has its own exact-argmax form
+    assert install_decode_weights(model, kind) == n_linear == 7 * len(model.model.layers)
+    assert not isinstance(model.lm_head, DecodeLinear)  # the head has its own exact-argmax form
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.q_proj.group is attn.v_proj.group is not None and attn.o_proj.group is None
     assert mlp.gate_proj.group is mlp.up_proj.group is not None and mlp.down_proj.group is None
@@ -286,8 +291,8 @@ def test_int8_decode_keeps_full_budget_equal_to_full_attention(arch):
 def test_load_model_rejects_unknown_decode_weights():
     from pqcache import load_model
 
-    with pytest.raises(ValueError, match="decode_weights must be one of int8, model"):
-        load_model("default", decode_weights="int4")
+    with pytest.raises(ValueError, match="decode_weights must be one of int8, int4, model"):
+        load_model("default", decode_weights="int2")
 
 
 @pytest.fixture(scope="module")

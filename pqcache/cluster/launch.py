@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 
 from pqcache.cluster.client import ClusterDocuments
+from pqcache.serving.decode_weights import DEFAULT_DECODE_WEIGHTS
 
 APP = "pqcache"
 PACKAGE = Path(__file__).resolve().parents[1]  # the pqcache package, uploaded to the cluster
@@ -59,7 +60,7 @@ def start_workers(
     pq_timeout_s: float | None = 120.0,
     max_document_tokens: int | None = None,
     dtype: str | None = None,
-    decode_weights: str = "int8",
+    decode_weights: str = DEFAULT_DECODE_WEIGHTS,
 ) -> ClusterDocuments:
     """Deploy `replicas` document workers (each loads the model with `dtype` and `decode_weights`, as
     load_model: waits until all are up) and return the client."""

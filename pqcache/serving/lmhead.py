@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pqcache.serving.int8 import int8_kernel_takes, quantize_rows
+from pqcache.serving.quantize import GROUP, int4_kernel_available, int8_kernel_takes, quantize_int4, quantize_rows
 
 BF16_UNIT = 2.0**-8  # unit roundoff of bf16 (8 significant bits, round to nearest): |bf16(v) - v| <= 2**-8 |v|
 # x |score|: the kernel's bf16 output rounding and, in a bf16 model, the exact head's (of |h.w| <= |score| +
@@ -37,31 +37,7 @@ SLACK = 1 + 2.0**-7
 # x D * ||bf16(h)||_1 max|w_i|: fp32 accumulation over D terms in a kernel and in the exact head (D * 2**-24 each),
 # and the kernels' fused dequantization (2**-23 of each weight) against ours
 ACCUMULATION = 3 * 2.0**-24
-GROUP = 32  # int4 group size: groups of 64 save 0.3 ms of kernel but leave 5x the candidates (median 25K vs 4.5K)
-PACK_ROWS = 16384  # rows quantized at a time (bounds the init's memory), a multiple of the kernel's 64-row blocks
-
-
-def int4_kernel_available() -> bool:
-    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
-
-
-def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """w (V, D) float, V a multiple of 64, D of GROUP -> (packed (V, D/2) uint8 in the CPU kernel's layout,
-    scales_and_zeros (D/GROUP, V, 2) bf16, err (V, D/GROUP) float: ||w - w~||_2 over each row's group), asymmetric:
-    w~ = (q - 8) * scale + zero, q in 0..15. err uses the bf16 scale and zero the kernel really multiplies by."""
-    V, D = w.shape
-    packed, sz, err = [], [], []
-    for start in range(0, V, PACK_ROWS):
-        wg = w[start : start + PACK_ROWS].view(-1, D // GROUP, GROUP)  # (n, G, 32)
-        lo, hi = wg.amin(-1), wg.amax(-1)  # (n, G)
-        scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
-        zero = (lo + 8 * scale.float()).to(torch.bfloat16)
-        s, z = scale.float()[..., None], zero.float()[..., None]
-        q = torch.round((wg - z) / s + 8).clamp(0, 15)  # (n, G, 32)
-        err.append((wg - ((q - 8) * s + z)).pow(2).sum(-1).sqrt())
-        packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(-1, D).to(torch.int32), 1))
-        sz.append(torch.stack([scale, zero], -1).transpose(0, 1))  # (G, n, 2)
-    return torch.cat(packed), torch.cat(sz, 1).contiguous(), torch.cat(err)
+# GROUP (quantize.py): groups of 64 would save 0.3 ms of the int4 kernel but leave 5x the candidates (25K vs 4.5K)
 
 
 class ExactArgmaxHead(nn.Module):

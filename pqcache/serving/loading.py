@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 
 from pqcache.engine.threads import on_a_passing_thread
+from pqcache.serving.decode_layer import install_fast_decode
+from pqcache.serving.decode_weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, install_decode_weights
 from pqcache.serving.fast import resolve_dtype
-from pqcache.serving.int8 import DECODE_WEIGHTS, install_int8_decode
 from pqcache.serving.lmhead import install_exact_argmax_head
 
 DEFAULT_NAMES = (None, "default", "gemma3-270m")
@@ -98,13 +99,14 @@ def load_model(
     dtype=None,
     device_map=None,
     progress=print,
-    decode_weights: str = "int8",
+    decode_weights: str = DEFAULT_DECODE_WEIGHTS,
 ):
     """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M. dtype: None (float32 on a CPU,
     bf16 on CUDA), "auto" (bf16 where the CPU has native bf16), "float32", "bfloat16" or a torch.dtype (fast.py).
-    decode_weights: "int8" (on a CPU, decode steps read int8 copies of the decoder linears: int8.py) or
-    "model" (every forward reads the model's own weights). The work runs on a thread that ends with it, so the
-    caller's thread keeps no OpenMP helpers that would slow decoding on other threads (engine/threads.py)."""
+    decode_weights: "int8" or "int4" (on a CPU, decode steps read quantized copies of the decoder linears:
+    decode_weights.py) or "model" (every forward reads the model's own weights). The work runs on a thread that
+    ends with it, so the caller's thread keeps no OpenMP helpers that would slow decoding on other threads
+    (engine/threads.py)."""
     return on_a_passing_thread(_load_model, name_or_path, device, dtype, device_map, progress, decode_weights)
 
 
@@ -139,6 +141,7 @@ def _load_model(name_or_path, device, dtype, device_map, progress, decode_weight
     model.eval()
     if device == "cpu" and device_map is None:  # the LM head is the biggest read of a CPU decode step
         install_exact_argmax_head(model)
-        if decode_weights == "int8":
-            install_int8_decode(model)
+        if decode_weights != "model":
+            install_decode_weights(model, decode_weights)
+            install_fast_decode(model)  # Gemma 3 layers: the same decode step in fewer operators
     return model, tok

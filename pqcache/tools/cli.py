@@ -11,8 +11,8 @@ from pathlib import Path
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import PQCacheError
 from pqcache.engine.methods import METHODS
+from pqcache.serving.decode_weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS
 from pqcache.serving.fast import DTYPE_CHOICES
-from pqcache.serving.int8 import DECODE_WEIGHTS
 from pqcache.serving.loading import ModelNotFoundError
 
 
@@ -46,10 +46,10 @@ def add_dtype_flags(parser):
     )
     parser.add_argument(
         "--decode-weights",
-        default="int8",
+        default=DEFAULT_DECODE_WEIGHTS,
         choices=list(DECODE_WEIGHTS),
-        help="CPU decode steps read int8 copies of the decoder linears (default; the prefill keeps the model's "
-        "weights) or the model's own weights",
+        help="CPU decode steps read int8 (default) or int4 copies of the decoder linears (the prefill keeps the "
+        "model's weights), or the model's own weights",
     )
 
 

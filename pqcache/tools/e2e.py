@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pqcache.serving.decode_weights import DEFAULT_DECODE_WEIGHTS
 from pqcache.serving.fast import available_cpus, dtype_name, resolve_dtype
 from pqcache.serving.loading import DEFAULT_NAMES
 
@@ -66,7 +67,7 @@ def bench_e2e(
     seq_lens=SEQ_LENS,
     runners=RUNNERS,
     dtype: str | None = None,
-    decode_weights: str = "int8",
+    decode_weights: str = DEFAULT_DECODE_WEIGHTS,
     decode_tokens: int = 32,
     repeats: int = 1,
     threads: int | None = None,

@@ -59,6 +59,7 @@ def run_torch(spec: dict, ids: list[int]) -> dict:
     import torch
 
     from pqcache.engine.config import PQCacheConfig
+    from pqcache.serving.decode_weights import DEFAULT_DECODE_WEIGHTS
     from pqcache.serving.generate import decode_one_token, make_cache, prefill
     from pqcache.serving.loading import load_model
 
@@ -67,7 +68,7 @@ def run_torch(spec: dict, ids: list[int]) -> dict:
         spec["model"],
         device="cpu",
         dtype=spec["dtype"],
-        decode_weights=spec.get("decode_weights", "int8"),
+        decode_weights=spec.get("decode_weights", DEFAULT_DECODE_WEIGHTS),
         progress=lambda *_: None,
     )
     method = spec["runner"]

@@ -1,0 +1,162 @@
+"""Gemma 3 decoder layers' decode steps in few operators (CPU, quantized decode weights).
+
+A CPU decode step of the bundled model runs 18 decoder layers of about 125 small torch operators each (six
+RMSNorms of ten operators, the rotary embedding's slices and concatenations, view/transpose/cast around each
+projection), and each operator costs microseconds of dispatch whatever its size: more than the layer's weights
+take to read. This forward computes the same thing in about 45: one quantized matmul for q/k/v and one for
+gate/up (decode_weights.py's stacked copies), both head norms on the stacked q and k heads at once, the rotary
+embedding as one roll and two products. Every value is computed by the same arithmetic in the same order as
+transformers' Gemma3DecoderLayer with decode_weights.py's linears, so the output is bit-identical
+(tests/test_decode_layer.py), and the cache and the attention function (PQCache's, SDPA) are called exactly as
+the model calls them. Forwards of more rows (prefill chunks, a question), other devices and dtypes, and layers
+without the quantized copies run the model's own forward.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
+
+from pqcache.serving.decode_weights import DecodeLinear
+
+LAYER_CLASSES = ("Gemma3DecoderLayer",)  # the layers whose forward this file reproduces
+
+
+def _norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma3RMSNorm's arithmetic (in float32, weight applied as 1 + w) for a float32 x."""
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight_plus_one
+
+
+def _mm(x: torch.Tensor, weights) -> torch.Tensor:
+    """x (R, K) float -> (R, N) in x's dtype, as DecodeLinear computes it (weights: Int8Rows or Int4Groups)."""
+    return weights.mm(x.to(torch.bfloat16)).to(x.dtype)
+
+
+class FastDecodeLayer:
+    """Installed as `layer.forward`: few-row CPU forwards take the short path, the rest the model's forward."""
+
+    def __init__(self, layer, rotary_memo: dict):
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer, self.attn, self.model_forward = layer, attn, layer.forward
+        self.bind()
+        self.max_rows = attn.q_proj.max_rows
+        self.eps = layer.input_layernorm.eps
+        self.n_q, self.n_kv = attn.config.num_attention_heads, attn.config.num_key_value_heads
+        self.I = mlp.down_proj.linear.in_features  # intermediate size
+
+        def plus_one(norm):
+            return (1.0 + norm.weight.detach().float()).contiguous()
+
+        self.w_in, self.w_post_attn = plus_one(layer.input_layernorm), plus_one(layer.post_attention_layernorm)
+        self.w_pre_ff, self.w_post_ff = (
+            plus_one(layer.pre_feedforward_layernorm),
+            plus_one(layer.post_feedforward_layernorm),
+        )
+        # q heads then the k heads: each row normalised with its own norm's weights
+        self.w_qk = torch.cat([plus_one(attn.q_norm).expand(self.n_q, -1), plus_one(attn.k_norm).expand(self.n_kv, -1)])
+        self.rotary_memo = rotary_memo  # shared by the layers: the step's signed sin, made once
+        self.steps = 0  # forwards that took the short path
+
+    def __call__(
+        self, hidden_states, position_embeddings=None, attention_mask=None, position_ids=None, cache=None, **kwargs
+    ):
+        B, Q, E = hidden_states.shape
+        if (
+            B * Q > self.max_rows
+            or hidden_states.device.type != "cpu"
+            or hidden_states.dtype != torch.float32
+            or position_embeddings is None
+            or "past_key_values" in kwargs
+        ):
+            return self.model_forward(
+                hidden_states,
+                position_embeddings=position_embeddings,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                **kwargs,
+            )
+        self.steps += 1
+        attn, Hq, Hk = self.attn, self.n_q, self.n_kv
+        x = hidden_states.reshape(B * Q, E)
+        qkv = _mm(_norm(x, self.w_in, self.eps), self.qkv)  # (B*Q, (Hq + 2 Hk) * D)
+        D = qkv.shape[-1] // (Hq + 2 * Hk)
+        qkv = qkv.view(B, Q, Hq + 2 * Hk, D)
+        qk = _norm(qkv[:, :, : Hq + Hk], self.w_qk, self.eps)  # (B, Q, Hq + Hk, D)
+        cos, sin = position_embeddings  # (B, Q, D)
+        qk = qk * cos[:, :, None] + torch.roll(qk, D // 2, -1) * self._signed_sin(sin)[:, :, None]
+        query = qk[:, :, :Hq].transpose(1, 2)  # (B, Hq, Q, D)
+        key = qk[:, :, Hq:].transpose(1, 2)  # (B, Hk, Q, D)
+        value = qkv[:, :, Hq + Hk :].transpose(1, 2)
+        attn_kwargs = {"position_ids": position_ids, **kwargs}  # what Gemma3Attention receives as **kwargs
+        if cache is not None:
+            key, value = cache.update(key, value, attn.layer_idx, kwargs=attn_kwargs)
+        attention = ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, eager_attention_forward)
+        out, _ = attention(
+            attn,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=0.0,
+            scaling=attn.scaling,
+            sliding_window=attn.sliding_window,
+            **attn_kwargs,
+        )  # (B, Q, Hq, D)
+        out = _mm(out.reshape(B * Q, Hq * D), self.o)
+        x = x + _norm(out, self.w_post_attn, self.eps)
+        gate_up = _mm(_norm(x, self.w_pre_ff, self.eps), self.gate_up)  # (B*Q, 2 I)
+        h = F.gelu(gate_up[:, : self.I], approximate="tanh") * gate_up[:, self.I :]
+        x = x + _norm(_mm(h, self.down), self.w_post_ff, self.eps)
+        return x.view(B, Q, E)
+
+    def bind(self):
+        """Read the layer's quantized copies (again, after they were swapped)."""
+        attn, mlp = self.attn, self.layer.mlp
+        self.qkv, self.gate_up = attn.q_proj.group.weights, mlp.gate_proj.group.weights  # stacked (FusedSiblings)
+        self.o, self.down = attn.o_proj.weights, mlp.down_proj.weights
+
+    def _signed_sin(self, sin: torch.Tensor) -> torch.Tensor:
+        """rotate_half(x) * sin == roll(x, D/2) * cat(-sin[:D/2], sin[D/2:]), exactly (a sign flip is exact).
+        The rotary tensors of a step are shared by its layers of one kind: made once per step."""
+        memo = self.rotary_memo.get(id(sin))
+        if memo is None or memo[0] is not sin:
+            half = sin.shape[-1] // 2
+            memo = (sin, torch.cat([-sin[..., :half], sin[..., half:]], -1))
+            if len(self.rotary_memo) > 4:
+                self.rotary_memo.clear()
+            self.rotary_memo[id(sin)] = memo
+        return memo[1]
+
+
+def fast_decode_ready(layer) -> bool:
+    """A Gemma 3 decoder layer whose projections are quantized decode linears with q/k/v and gate/up stacked."""
+    attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+    if type(layer).__name__ not in LAYER_CLASSES or attn is None or mlp is None:
+        return False
+    linears = (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+    if not all(isinstance(m, DecodeLinear) and m.linear.bias is None for m in linears):
+        return False
+    return (
+        attn.q_proj.group is not None
+        and attn.q_proj.group is attn.v_proj.group
+        and mlp.gate_proj.group is not None
+        and mlp.gate_proj.group is mlp.up_proj.group
+        and getattr(mlp.act_fn, "__class__", type(None)).__name__ in ("GELUTanh", "PytorchGELUTanh")
+        and attn.attn_logit_softcapping is None
+    )
+
+
+def install_fast_decode(model) -> int:
+    """Give every ready decoder layer (fast_decode_ready) the short decode forward; returns how many."""
+    from pqcache.engine.cache import decoder_layers
+
+    memo: dict = {}
+    installed = 0
+    for _, layer in decoder_layers(model):
+        if fast_decode_ready(layer) and not isinstance(layer.forward, FastDecodeLayer):
+            layer.forward = FastDecodeLayer(layer, memo)
+            installed += 1
+    return installed

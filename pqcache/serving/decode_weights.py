@@ -1,0 +1,116 @@
+"""Quantized copies of the decoder linears for decode steps: a CPU decode step reads every weight once per token.
+
+The bundled model's 18 decoder layers hold 100M weights: 400 MB to read per token in float32, 100 MB as int8 rows
+(one bf16 scale each), 56 MB as int4 groups of 32 (a bf16 scale and zero each); quantize.py has the kernels, the
+end-to-end effect is in docs/benchmarks.md. Forwards with more rows than `max_rows` (a prefill chunk, scoring)
+use the model's own weights, so the prompt's keys and values, and with them the PQ codes, are the model's;
+only the few-row decode steps read the quantized copy. Greedy answers can differ from float32 decoding
+(W8A16 / W4A16 rounding); the quality guard in docs/results.md measures that, and `decode_weights="model"` turns
+it off.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from pqcache.serving.quantize import WEIGHT_KINDS
+
+DECODE_WEIGHTS = ("int8", "int4", "model")
+# int8 by default: int4 reads 2.5x fewer bytes a step, but it changed the bundled model's answer to a plain question
+# under full attention (tests/test_real_model.py; docs/results.md)
+DEFAULT_DECODE_WEIGHTS = "int8"
+
+# Sibling projections that read the same input: one matmul over their stacked rows serves them all.
+FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class DecodeLinear(nn.Module):
+    def __init__(self, linear: nn.Linear, kind: str = "int8", max_rows: int = 4, quantize: bool = True):
+        """linear: the model's layer (kept, not copied: longer forwards use it). kind: "int8" or "int4"
+        (quantize.py). max_rows: forwards with more rows than this use the model's layer too. quantize=False: a
+        member of FusedSiblings, which holds the copy."""
+        super().__init__()
+        self.linear, self.kind, self.max_rows = linear, kind, max_rows
+        self.weights = WEIGHT_KINDS[kind][0](linear.weight) if quantize else None  # Int8Rows or Int4Groups
+        self.group: FusedSiblings | None = None
+        self.cols = slice(0, linear.out_features)  # this projection's columns of the group's output
+
+    @property
+    def weight(self):  # transformers and PEFT-style code read .weight / .bias of a projection
+        return self.linear.weight
+
+    @property
+    def bias(self):
+        return self.linear.bias
+
+    def float_weight(self) -> torch.Tensor:
+        return self.linear.weight.detach()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x (..., K) -> (..., N)."""
+        rows = x.numel() // x.shape[-1]
+        if rows > self.max_rows or x.device.type != "cpu":
+            return self.linear(x)
+        if self.group is not None:
+            y = self.group.output(x, rows)[:, self.cols]
+        else:
+            y = self.weights.mm(x.reshape(rows, -1).to(torch.bfloat16))
+        y = y.to(x.dtype)
+        if self.linear.bias is not None:
+            y = y + self.linear.bias
+        return y.view(*x.shape[:-1], -1)
+
+
+class FusedSiblings:
+    """q/k/v (or gate/up) of one layer as one quantized matrix: the first of them called with an input computes
+    every sibling's output in one kernel call; the others, called with the same tensor (same object, not
+    modified since), take their columns. An input seen by one sibling only (another architecture's wiring)
+    still gets the right answer, at the cost of the whole group's matmul."""
+
+    def __init__(self, members: list[DecodeLinear]):
+        # rows are quantized one by one (int8) or in groups within a row (int4): the stacked copy holds exactly
+        # each member's own copy, which the members drop
+        self.members = members
+        self.weights = WEIGHT_KINDS[members[0].kind][0](self.float_weight())
+        start = 0
+        for m in members:
+            n = m.linear.out_features
+            m.weights, m.cols, m.group = None, slice(start, start + n), self
+            start += n
+        # (input, its version, output): one tuple, swapped whole, so that threads sharing the model
+        # (several sessions decoding at once) never pair one input with another's output
+        self.last: tuple | None = None
+
+    def float_weight(self) -> torch.Tensor:
+        return torch.cat([m.float_weight() for m in self.members])  # (sum N, K)
+
+    def output(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        last = self.last
+        if last is not None and last[0] is x and last[1] == x._version:
+            return last[2]
+        y = self.weights.mm(x.reshape(rows, -1).to(torch.bfloat16))
+        self.last = (x, x._version, y)
+        return y
+
+
+def install_decode_weights(model, kind: str = "int8") -> int:
+    """Wrap every nn.Linear inside the model's decoder layers (not the LM head, not the embeddings; not one whose
+    input width the kernel cannot take) in a DecodeLinear of `kind` ("int8" or "int4"), and stack the siblings of
+    FUSED_SIBLINGS. Returns how many were wrapped (0 where the kernel is missing)."""
+    from pqcache.engine.cache import decoder_layers
+
+    takes = WEIGHT_KINDS[kind][1]
+    wrapped = 0
+    for _, layer in decoder_layers(model):
+        for parent in list(layer.modules()):
+            linears = {n: c for n, c in parent.named_children() if isinstance(c, nn.Linear) and takes(c.in_features)}
+            made = {}
+            for names in FUSED_SIBLINGS:  # siblings of the same input width: quantized once, stacked
+                if all(n in linears for n in names) and len({linears[n].in_features for n in names}) == 1:
+                    made.update({n: DecodeLinear(linears[n], kind, quantize=False) for n in names})
+                    FusedSiblings([made[n] for n in names])
+            for name, child in linears.items():
+                setattr(parent, name, made[name] if name in made else DecodeLinear(child, kind))
+                wrapped += 1
+    return wrapped

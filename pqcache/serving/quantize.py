@@ -1,0 +1,94 @@
+"""Weight-only quantized copies that torch's own CPU kernels read: int8 rows and int4 groups.
+
+    Int8Rows    one bf16 scale per output row, round to nearest: w ~ q * scale       (_weight_int8pack_mm)
+    Int4Groups  groups of 32 weights with a bf16 scale and zero, 16 levels each:
+                w ~ (q - 8) * scale + zero                                              (_weight_int4pack_mm_for_cpu)
+
+Both take bf16 activations and return bf16. A decode step reads every weight once, and on a CPU that read is
+memory-bound: 18 layers of the bundled model's decoder linears took 10 ms a step as int8 and 4 ms as int4 here
+(docs/benchmarks.md). Used by the decode linears (decode_weights.py) and the LM head (lmhead.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+GROUP = 32  # int4 group size: the kernel takes 32..256; 32 keeps the error smallest
+PACK_ROWS = 16384  # rows quantized at a time (bounds the memory of quantizing the LM head), a multiple of 64
+ROW_BLOCK = 64  # the int4 kernel packs rows in blocks of 64
+
+
+def int8_kernel_takes(in_features: int) -> bool:
+    """Whether torch's int8-weight kernel exists and can take rows of this width (it reads past rows whose length
+    is not a multiple of 16: garbage, or a crash)."""
+    return hasattr(torch.ops.aten, "_weight_int8pack_mm") and in_features % 16 == 0
+
+
+def int4_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+def int4_kernel_takes(in_features: int) -> bool:
+    return int4_kernel_available() and in_features % GROUP == 0
+
+
+def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w (N, K) -> int8 rows q (N, K) and their bf16 scales (N,), round to nearest: w ~ q * scale."""
+    w = w.detach().float()
+    scale = (w.abs().amax(1).clamp(min=1e-12) / 127).to(torch.bfloat16)
+    q = torch.round(w / scale.float()[:, None]).clamp(-127, 127).to(torch.int8)
+    return q.contiguous(), scale
+
+
+def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w (V, D) float, V a multiple of 64, D of GROUP -> (packed (V, D/2) uint8 in the CPU kernel's layout,
+    scales_and_zeros (D/GROUP, V, 2) bf16, err (V, D/GROUP) float: ||w - w~||_2 over each row's group), asymmetric:
+    w~ = (q - 8) * scale + zero, q in 0..15. err uses the bf16 scale and zero the kernel really multiplies by."""
+    V, D = w.shape
+    packed, sz, err = [], [], []
+    for start in range(0, V, PACK_ROWS):
+        wg = w[start : start + PACK_ROWS].view(-1, D // GROUP, GROUP)  # (n, G, 32)
+        lo, hi = wg.amin(-1), wg.amax(-1)  # (n, G)
+        scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
+        zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+        s, z = scale.float()[..., None], zero.float()[..., None]
+        q = torch.round((wg - z) / s + 8).clamp(0, 15)  # (n, G, 32)
+        err.append((wg - ((q - 8) * s + z)).pow(2).sum(-1).sqrt())
+        packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(-1, D).to(torch.int32), 1))
+        sz.append(torch.stack([scale, zero], -1).transpose(0, 1))  # (G, n, 2)
+    return torch.cat(packed), torch.cat(sz, 1).contiguous(), torch.cat(err)
+
+
+class Int8Rows:
+    def __init__(self, w: torch.Tensor):
+        """w (N, K) float, K a multiple of 16."""
+        self.q, self.scale = quantize_rows(w)  # (N, K) int8, (N,) bf16
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x (R, K) bf16 -> (R, N) bf16."""
+        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + 2 * self.scale.numel()
+
+
+class Int4Groups:
+    def __init__(self, w: torch.Tensor):
+        """w (N, K) float, K a multiple of GROUP (rows padded with zeros to the kernel's blocks of 64)."""
+        w = w.detach().float()
+        self.N = w.shape[0]
+        self.packed, self.scales_and_zeros, _ = quantize_int4(F.pad(w, (0, 0, 0, -self.N % ROW_BLOCK)))
+
+    def mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x (R, K) bf16 -> (R, N) bf16."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
+        return y if y.shape[1] == self.N else y[:, : self.N]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 2 * self.scales_and_zeros.numel()
+
+
+WEIGHT_KINDS = {"int8": (Int8Rows, int8_kernel_takes), "int4": (Int4Groups, int4_kernel_takes)}

@@ -1,0 +1,96 @@
+"""The short decode forward of Gemma 3 layers (pqcache/serving/decode_layer.py): bit-identical to the model's
+forward with the int8 decode linears, under full attention and PQCache, and only where it applies."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from pqcache import PQCache, PQCacheConfig
+from pqcache.serving.decode_layer import FastDecodeLayer, install_fast_decode
+from pqcache.serving.decode_weights import install_decode_weights
+from pqcache.serving.generate import decode_one_token, prefill
+
+from .conftest import tiny_model
+
+FULL_BUDGET = PQCacheConfig(token_budget=1.0, n_init=4, n_local=8, kmeans_iters=5, bits=4)
+SMALL_BUDGET = PQCacheConfig(token_budget=0.2, n_init=4, n_local=8, kmeans_iters=5, bits=4)
+
+
+def _gemma3(seed: int = 0):
+    """The tiny Gemma 3 with random norm weights (they start at zero: 1 + w would be 1 and hide a mixed-up norm)."""
+    model = tiny_model("gemma3", seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model
+
+
+def _decode(model, cache, ids, n=8):
+    """Prefill ids (1, S) and decode n greedy steps: the logits of every step, (n + 1, V)."""
+    out = [prefill(model, ids, cache, chunk_tokens=32)]
+    if isinstance(cache, PQCache):
+        cache.wait()
+    for _ in range(n):
+        out.append(decode_one_token(model, out[-1].argmax(-1, keepdim=True), cache))
+    return torch.cat(out)
+
+
+def _fast_steps(model) -> int:
+    return sum(layer.forward.steps for layer in model.model.layers if isinstance(layer.forward, FastDecodeLayer))
+
+
+@pytest.mark.parametrize(
+    "make_cache",
+    [
+        lambda m: DynamicCache(config=m.config),
+        lambda m: PQCache(m, FULL_BUDGET),
+        lambda m: PQCache(m, SMALL_BUDGET),
+    ],
+    ids=["full", "pqcache-full-budget", "pqcache-budget-0.2"],
+)
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_fast_decode_layer_is_bit_identical_to_the_models_forward(make_cache, kind):
+    model = _gemma3()
+    assert install_decode_weights(model, kind) == 7 * len(model.model.layers)
+    ids = torch.randint(1, 96, (1, 70), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        ref = _decode(model, make_cache(model), ids)
+        assert install_fast_decode(model) == len(model.model.layers)
+        assert install_fast_decode(model) == 0  # installed once
+        got = _decode(model, make_cache(model), ids)
+    assert _fast_steps(model) == 8 * len(model.model.layers)  # every decode step, no prefill chunk
+    assert torch.equal(got, ref)
+
+
+def test_fast_decode_layer_keeps_pqcache_at_full_budget_equal_to_full_attention():
+    model = _gemma3(seed=1)
+    install_decode_weights(model)
+    install_fast_decode(model)
+    ids = torch.randint(1, 96, (1, 80), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        full = _decode(model, DynamicCache(config=model.config), ids)
+        cache = PQCache(model, FULL_BUDGET)
+        pq = _decode(model, cache, ids)
+    assert all(layer.stats["steps"] == 8 for layer in cache.pq_layers), "decode must run through the PQ path"
+    torch.testing.assert_close(pq, full, rtol=1e-5, atol=1e-5)
+    assert torch.equal(pq.argmax(-1), full.argmax(-1))
+
+
+def test_fast_decode_layer_applies_only_where_it_reproduces_the_forward():
+    """Other architectures, model weights (no int8 copies) and the model's bf16 keep the model's own forward."""
+    llama = tiny_model("llama")
+    install_decode_weights(llama)
+    assert install_fast_decode(llama) == 0
+    assert install_fast_decode(tiny_model("gemma3")) == 0  # no int8 decode linears
+    model = tiny_model("gemma3")
+    install_decode_weights(model)
+    install_fast_decode(model)
+    model.to(torch.bfloat16)
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        _decode(model, DynamicCache(config=model.config), ids, n=2)
+    assert _fast_steps(model) == 0
