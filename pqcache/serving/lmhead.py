@@ -95,7 +95,7 @@ class ExactArgmaxHead(nn.Module):
         score = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.packed, GROUP, self.scales_and_zeros)
         score = score[:, :V].float()
         coef = torch.cat([xq.view(N, -1, GROUP).norm(dim=-1), spill], 1)  # (N, G + 1)
-        return score, coef @ self.slack4 + score.abs() * OUTPUT_ROUNDING
+        return score, (coef @ self.slack4).add_(score.abs(), alpha=OUTPUT_ROUNDING)  # one pass fewer over V
 
     def int8_scores(self, acts, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> int8 scores (N, k) of the vocabulary rows `rows` (k,) (None: all, k = V) and their bounds (N, k)."""
@@ -105,7 +105,7 @@ class ExactArgmaxHead(nn.Module):
             q, scale, slack = q.index_select(0, rows), scale.index_select(0, rows), slack.index_select(1, rows)
         score = torch.ops.aten._weight_int8pack_mm(xb, q, scale).float()
         coef = torch.cat([xq.norm(dim=-1, keepdim=True), spill], 1)  # (N, 2)
-        return score, coef @ slack + score.abs() * OUTPUT_ROUNDING
+        return score, (coef @ slack).add_(score.abs(), alpha=OUTPUT_ROUNDING)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (B, T, D) -> logits (B, T, V)."""
@@ -121,7 +121,8 @@ class ExactArgmaxHead(nn.Module):
             out, bound = self.int4_scores(acts)  # (N, V) each
             floor = (out - bound).amax(-1, keepdim=True)  # (N, 1)
             # one gather serves all rows: a row scores the others' candidates too (its test stays valid)
-            rows = ((out + bound) >= floor).any(0).nonzero().squeeze(1)  # (k,) C1
+            can_win = (out + bound) >= floor  # (N, V)
+            rows = (can_win[0] if len(can_win) == 1 else can_win.any(0)).nonzero().squeeze(1)  # (k,) C1
             self.stats["int4_candidates"] += len(rows)
             # a flat distribution (gathering would cost more), or none at all (h not finite): read every row
             if not 0 < len(rows) <= self.max_int4_candidates:
