@@ -1,5 +1,6 @@
 """The short decode forward of Gemma 3 layers (pqcache/serving/decode_layer.py): bit-identical to the model's
-forward with the int8 decode linears, under full attention and PQCache, and only where it applies."""
+forward with the quantized decode linears (int8, int4), under full attention and PQCache, and only where it
+applies."""
 
 from __future__ import annotations
 

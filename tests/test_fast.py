@@ -236,18 +236,21 @@ def test_decode_linear_is_close_for_few_rows_and_exact_for_many(kind, tol):
         assert torch.equal(fast_linear(many), linear(many))
 
 
-def test_int8_decode_leaves_linears_the_kernel_cannot_take():
-    """_weight_int8pack_mm needs an input width that is a multiple of 16: other linears keep the model's weights."""
+@pytest.mark.parametrize("kind, wrapped", [("int8", {"q_proj", "k_proj"}), ("int4", {"q_proj"})])
+def test_decode_weights_leave_linears_the_kernel_cannot_take(kind, wrapped):
+    """_weight_int8pack_mm needs an input width that is a multiple of 16, the int4 kernel one of 32 (its groups):
+    other linears keep the model's weights."""
     model = torch.nn.Module()
     model.model = torch.nn.Module()
     block = torch.nn.Module()
     block.self_attn = torch.nn.Module()
-    block.self_attn.q_proj, block.self_attn.o_proj = torch.nn.Linear(64, 32), torch.nn.Linear(24, 64)
-    block.self_attn.layer_idx = 0
+    attn = block.self_attn
+    attn.q_proj, attn.k_proj, attn.o_proj = torch.nn.Linear(64, 32), torch.nn.Linear(48, 32), torch.nn.Linear(24, 64)
+    attn.layer_idx = 0
     model.model.layers = torch.nn.ModuleList([block])
-    assert install_decode_weights(model) == 1
-    assert isinstance(block.self_attn.q_proj, DecodeLinear)
-    assert type(block.self_attn.o_proj) is torch.nn.Linear
+    assert install_decode_weights(model, kind) == len(wrapped)
+    for name in ("q_proj", "k_proj", "o_proj"):
+        assert isinstance(getattr(attn, name), DecodeLinear) == (name in wrapped), name
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
