@@ -14,6 +14,8 @@ without the quantized copies run the model's own forward.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -131,6 +133,13 @@ class FastDecodeLayer:
         return memo[1]
 
 
+def _is_torch_tanh_gelu(act_fn) -> bool:
+    """transformers' GELUTanh calling torch's gelu(approximate="tanh"), what the short forward calls (not its
+    Python formula, which rounds differently)."""
+    act = getattr(act_fn, "act", None)
+    return isinstance(act, functools.partial) and act.func is F.gelu and act.keywords == {"approximate": "tanh"}
+
+
 def fast_decode_ready(layer) -> bool:
     """A Gemma 3 decoder layer whose projections are quantized decode linears with q/k/v and gate/up stacked."""
     attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
@@ -144,7 +153,7 @@ def fast_decode_ready(layer) -> bool:
         and attn.q_proj.group is attn.v_proj.group
         and mlp.gate_proj.group is not None
         and mlp.gate_proj.group is mlp.up_proj.group
-        and getattr(mlp.act_fn, "__class__", type(None)).__name__ in ("GELUTanh", "PytorchGELUTanh")
+        and _is_torch_tanh_gelu(mlp.act_fn)
         and attn.attn_logit_softcapping is None
     )
 
