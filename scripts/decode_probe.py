@@ -6,6 +6,7 @@ python scripts/decode_probe.py ab --seq-len 8192 --what threads        # one-pro
 python scripts/decode_probe.py ab --seq-len 4096 --what fused          # stacked q/k/v, gate/up vs separate
 python scripts/decode_probe.py ab --seq-len 8192 --what layer          # the short decode forward vs transformers'
 python scripts/decode_probe.py ab --seq-len 8192 --what int4           # int8 vs int4 decode weights
+python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py head                                    # LM head kernels and exact-argmax bounds
 python scripts/decode_probe.py parts --seq-len 8192                    # wall-clock ms of the PQ layers' parts
 python scripts/decode_probe.py omp --seq-len 1024                      # decode beside a thread with OpenMP helpers
@@ -229,6 +230,11 @@ def settings(model, what: str):
     """(A, B): callables that switch the running model to setting A or B."""
     if what == "threads":
         return (lambda: torch.set_num_threads(2)), (lambda: torch.set_num_threads(1))
+    if what == "scores":  # A: the re-rank's scores stand in for the picks' keys, B: the picks' keys fetched too
+        import pqcache.engine.methods.pqcache as method
+
+        key = method.PICKED_SCORES
+        return (lambda: setattr(method, "PICKED_SCORES", key)), (lambda: setattr(method, "PICKED_SCORES", "unread"))
     from pqcache.serving.decode_layer import FastDecodeLayer
     from pqcache.serving.decode_weights import DecodeLinear
     from pqcache.serving.quantize import WEIGHT_KINDS
@@ -364,7 +370,10 @@ def main():
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument(
-        "--what", choices=["threads", "fused", "layer", "int4"], default="threads", help="ab: what A and B differ in"
+        "--what",
+        choices=["threads", "fused", "layer", "int4", "scores"],
+        default="threads",
+        help="ab: what A and B differ in",
     )
     p.add_argument("--steps", type=int, default=10, help="hooks, parts, omp: decode steps timed")
     args = p.parse_args()

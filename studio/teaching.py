@@ -220,14 +220,14 @@ WALKTHROUGH = {
     ),
     "3. Search": (
         "The approximate scores pick the best candidates; their exact scores, computed where the keys live (host "
-        "memory: only the query goes there, only positions come back), keep the top k.",
+        "memory: only the query goes there, only positions and their scores come back), keep the top k.",
         "Here PQ kept the {n_wide} best of the candidates (rerank {rerank} x k, right of the orange line) and "
         "the exact re-rank kept k = {k} (above the red line).",
         lambda w, s: pictures.search(w),
     ),
     "4. Fetch": (
-        "Only the top-k tokens' keys and values travel to the device; blocks used often stay in a device block "
-        "cache. The sinks and the recent window are on the device all along.",
+        "Only the top-k tokens' values travel to the device (the re-rank already scored their keys); blocks used "
+        "often stay in a device block cache. The sinks and the recent window are on the device all along.",
         "Here: {hits} top-k tokens came from the device block cache, {misses} from host memory; {held} sink "
         "and window tokens were already there.",
         lambda w, s: pictures.fetch(w),

@@ -17,16 +17,33 @@ def masked_attention(
     mask: torch.Tensor,
     scaling: float,
     softcap: float | None = None,
+    known: tuple[int, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """q (B, H, G*Q, D) with the G query heads of each KV head stacked; keys, values (B, H, N, D);
-    mask (B, H, Q, N) bool -> output (B, Q, H*G, D) and probabilities (B, H, G*Q, N)."""
+    mask (B, H, Q, N) bool -> output (B, Q, H*G, D) and probabilities (B, H, G*Q, N).
+    known: (start, scores (B, H, k, G*Q)): the scaled scores of buffer slots start..start+k-1, already computed
+    exactly by the selection (PQCache's re-rank); those slots' keys are not read (they need not be there)."""
     B, H, R, D = q.shape
     Q = mask.shape[2]
     G = R // Q
-    att = (q @ keys.transpose(-1, -2)).view(B, H, G, Q, -1) * scaling
+    if known is None:
+        att = _dot(q, keys) * scaling
+    else:
+        lo, scores = known
+        hi = lo + scores.shape[2]
+        parts = [_dot(q, keys[:, :, :lo]) * scaling, scores.transpose(-1, -2).to(q.dtype)]
+        att = torch.cat(parts + [_dot(q, keys[:, :, hi:]) * scaling], dim=-1)
+    att = att.view(B, H, G, Q, -1)
     if softcap is not None:  # Gemma 2 style logit soft-capping
         att = torch.tanh(att / softcap) * softcap
     att = att.masked_fill(~mask[:, :, None], float("-inf"))
     probs = att.float().softmax(dim=-1).to(values.dtype).view(B, H, R, -1)
     out = probs @ values  # (B, H, G*Q, D)
     return out.view(B, H * G, Q, D).transpose(1, 2), probs
+
+
+def _dot(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q (B, H, R, D), keys (B, H, n, D) -> q.k (B, H, R, n), contiguous."""
+    if q.shape[2] <= 16:  # a decode step: keys (n, D) @ q^T (D, R) streams the keys once; q @ keys^T was 3x slower
+        return (keys @ q.transpose(-1, -2)).transpose(-1, -2).contiguous()
+    return q @ keys.transpose(-1, -2)

@@ -47,12 +47,14 @@ class BlockCache:
         self._grow(int(blk.max()) + 1 if blk.numel() else 0)
         return self.block_slot.gather(2, blk)
 
-    def read(self, slot: torch.Tensor, top: torch.Tensor, rows: torch.Tensor):
-        """K/V of hits: slot, top (B, H, k); rows: flat indices (into B*H*k) of the hits -> (n, D) each."""
+    def read(self, slot: torch.Tensor, top: torch.Tensor, rows: torch.Tensor, keys: bool = True):
+        """K/V of hits: slot, top (B, H, k); rows: flat indices (into B*H*k) of the hits -> (n, D) each
+        (K None when keys=False)."""
         B, H, k = top.shape
         bh = torch.arange(B * H, device=self.device).view(B, H, 1)
         flat = ((bh * self.n_slots + slot.clamp(min=0)) * self.bs + top % self.bs).reshape(-1)[rows]
-        return self.k.view(-1, self.D).index_select(0, flat), self.v.view(-1, self.D).index_select(0, flat)
+        k_rows = self.k.view(-1, self.D).index_select(0, flat) if keys else None
+        return k_rows, self.v.view(-1, self.D).index_select(0, flat)
 
     def admit(self, top, valid, host, n_complete_tokens: int) -> int:
         """Update use stats and admit the top blocks of this retrieval. Returns tokens copied in."""

@@ -86,9 +86,11 @@ class HostTier:
             out = torch.cat([shared[:, :, start : self.S0], own[:, :, : end - self.S0]], dim=2)
         return out.to(device or out.device, dtype or out.dtype)
 
-    def rows(self, bh: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of (row * H + head, position) pairs: bh, pos (n,) on the host -> (n, D) each."""
-        return self._rows(self.shared_k, self.own_k, bh, pos), self._rows(self.shared_v, self.own_v, bh, pos)
+    def rows(self, bh: torch.Tensor, pos: torch.Tensor, keys: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of (row * H + head, position) pairs: bh, pos (n,) on the host -> (n, D) each (K None when
+        keys=False)."""
+        k = self._rows(self.shared_k, self.own_k, bh, pos) if keys else None
+        return k, self._rows(self.shared_v, self.own_v, bh, pos)
 
     def key_rows(self, bh: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """K alone of (row * H + head, position) pairs -> (n, D) (exact scores need no values)."""

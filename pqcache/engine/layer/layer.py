@@ -32,7 +32,7 @@ from pqcache.engine.layer.host import HostTier
 from pqcache.engine.layer.probe import observe_step
 from pqcache.engine.layer.view import LayerView
 from pqcache.engine.layer.window import DeviceWindow
-from pqcache.engine.methods.base import Method, positions_of
+from pqcache.engine.methods.base import PICKED_SCORES, Method, positions_of
 from pqcache.engine.methods.full import Full
 
 
@@ -198,6 +198,7 @@ class PQLayer(CacheLayerMixin):
     def select(self, q: torch.Tensor, scaling: float):
         """q (B, H, R, D) -> positions (B, H, k) and their validity (B, H, k) on the host tier."""
         view = self.view()
+        self.method_state.pop(PICKED_SCORES, None)  # a method sets them anew with each selection, or not at all
         if view.k_max == 0 or not bool(view.candidates.any()):
             empty = torch.zeros((self.host.B, self.host.H, 0), dtype=torch.long, device=self.device)
             return empty, empty.bool()
@@ -213,16 +214,19 @@ class PQLayer(CacheLayerMixin):
         q = query.reshape(B, H, Hq // H * Q, D)  # query heads h*G..h*G+G-1 share KV head h
 
         exact_chunk = Q > 1 and self.config.chunk_attention == "exact"
+        scores = None  # the picks' exact scaled scores (B, H, k, R), when the selection computed them
         if exact_chunk:  # a question after a cached document reads every cached token, as the prefill did
             top, top_valid = positions_of(self.candidates()[:, None, :].expand(-1, H, -1))
         else:
             top, top_valid = self.select(q, scaling)
+            scores = self.method_state.pop(PICKED_SCORES, None)
         self.window.ensure(top.shape[2], Q)
-        moved = self.window.fetch(top, top_valid, self.span)
+        moved = self.window.fetch(top, top_valid, self.span, keys=scores is None)
         self.counters["hits"] += moved["hits"]
         self.counters["misses"] += moved["misses"]
         keys, values, mask = self.window.assemble(top_valid, k_new, v_new, new_valid)
-        out, probs = masked_attention(q, keys, values, mask, scaling, softcap)
+        known = None if scores is None else (self.window.n_init + self.window.L, scores)
+        out, probs = masked_attention(q, keys, values, mask, scaling, softcap, known)
 
         self.last_selection = (top, top_valid)
         observe_step(self, q, scaling, top, top_valid, probs, mask, moved)

@@ -89,9 +89,11 @@ class DeviceWindow:
         self.v[:, :, slots] = v[:, :, first:].to(self.device, non_blocking=True)
         self.slot_pos[pos % self.L] = pos
 
-    def fetch(self, top: torch.Tensor, valid: torch.Tensor, span) -> dict:
+    def fetch(self, top: torch.Tensor, valid: torch.Tensor, span, keys: bool = True) -> dict:
         """K/V of host positions top (B, H, k) into the top-k part of the buffer: block-cache hits
-        from the device, misses from the host. Returns hits, misses and bytes moved to the device."""
+        from the device, misses from the host. keys=False: values only (the selection scored the picks
+        exactly; their key slots keep stale data the attention does not read). Returns hits, misses and
+        bytes moved to the device."""
         host = self.host
         B, H, k = top.shape
         D, N, lo = host.D, self.k.shape[2], self.n_init + self.L
@@ -108,17 +110,19 @@ class DeviceWindow:
         miss_rows = (~hit).reshape(-1).nonzero().squeeze(1)
         hit_rows = hit.reshape(-1).nonzero().squeeze(1)
         if hit_rows.numel():
-            hk, hv = self.blocks.read(slot, top, hit_rows)
-            out_k.index_copy_(0, dest[hit_rows], hk)
+            hk, hv = self.blocks.read(slot, top, hit_rows, keys)
+            if keys:
+                out_k.index_copy_(0, dest[hit_rows], hk)
             out_v.index_copy_(0, dest[hit_rows], hv)
         with span("copy to device"):
             miss = miss_rows.to(host.host)
             bh = torch.arange(B * H).view(B, H, 1).expand(B, H, k).reshape(-1)[miss]
-            mk, mv = host.rows(bh, top.to(host.host).reshape(-1)[miss])
-            out_k.index_copy_(0, dest[miss_rows], mk.to(self.device, non_blocking=True))
+            mk, mv = host.rows(bh, top.to(host.host).reshape(-1)[miss], keys)
+            if keys:
+                out_k.index_copy_(0, dest[miss_rows], mk.to(self.device, non_blocking=True))
             out_v.index_copy_(0, dest[miss_rows], mv.to(self.device, non_blocking=True))
         el = self.k.element_size()
-        moved = 2 * miss_rows.numel() * D * el
+        moved = (2 if keys else 1) * miss_rows.numel() * D * el
         if self.blocks is not None:
             admitted = self.blocks.admit(top, valid, host, host.S - max(self.n_local))
             moved += 2 * admitted * D * el

@@ -9,6 +9,10 @@ scores and picks (kvpress style: one small dataclass per method):
     one shared top-k (`select_top`) turns them into positions;
   - rule-based methods (full, streaming, h2o, snapkv, pyramidkv, infllm) implement `select`.
 
+A method whose selection computed the exact scaled q.k of what it picked (PQCache's re-rank) leaves them in
+view.state[PICKED_SCORES] (B, H, k, R), aligned with the positions it returns: the layer then fetches only those
+tokens' values and attends with these scores.
+
 Shapes: B rows, H KV heads, S positions, R query rows per KV head (GQA group x chunk).
 """
 
@@ -19,6 +23,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
+
+PICKED_SCORES = "picked_scores"  # the view.state key of a selection's exact scores (see above)
 
 
 @dataclass

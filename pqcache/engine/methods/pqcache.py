@@ -15,7 +15,14 @@ from pqcache.engine import pq
 from pqcache.engine.errors import PQBuildError
 from pqcache.engine.layer.builds import BuildFault
 from pqcache.engine.layer.index import PQIndex
-from pqcache.engine.methods.base import ScoreMethod, combine_rows, positions_of, select_top, topk_positions
+from pqcache.engine.methods.base import (
+    PICKED_SCORES,
+    ScoreMethod,
+    combine_rows,
+    positions_of,
+    select_top,
+    topk_positions,
+)
 
 
 @dataclass
@@ -57,13 +64,15 @@ class PQCacheMethod(ScoreMethod):
         return approx_scores(view.state["index"], q)
 
     def select(self, view, q):
-        """PQ search for rerank x k candidates, then the exact scores of those candidates pick k."""
+        """PQ search for rerank x k candidates, then the exact scores of those candidates pick k. The picks'
+        exact scores are left in view.state[PICKED_SCORES]: the attention uses them instead of their keys."""
         ks = view.ks
         wide = first_stage_counts(view)
         top, valid = self.search(view, q, wide)
         if wide == ks:  # single stage, or the budget already covers the candidates
             return top, valid
-        return rerank_exact(view, q, top, valid, ks, view.config.gqa_combine)
+        top, valid, view.state[PICKED_SCORES] = rerank_exact(view, q, top, valid, ks, view.config.gqa_combine)
+        return top, valid
 
     def search(self, view, q, ks: list[int]):
         """The first stage: the ks[b] best candidates of each row by PQ scores."""
@@ -94,7 +103,9 @@ def first_stage_counts(view) -> list[int]:
 def rerank_exact(view, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], mode: str):
     """The second stage: exact q.k of the PQ candidates top (B, H, k') picks the final k of each row,
     under the same GQA combine. It runs where the keys live (the host tier): only the query goes
-    there and only positions come back, so device memory and host-to-device bytes do not change."""
+    there and only positions and the picks' scores come back -> positions (B, H, k), validity (B, H, k) and
+    the picks' exact scores (B, H, k, R) on the device. With those scores the step needs only the picks'
+    values: their keys are never fetched (half the bytes host to device)."""
     host = view.host
     B, H, kw = top.shape
     bh = torch.arange(B * H).view(B, H, 1).expand(B, H, kw).reshape(-1)
@@ -103,8 +114,9 @@ def rerank_exact(view, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, 
     ok = valid.to(host.host)
     combined = combine_rows(exact, ok, mode)  # (B, H, k'); top is in position order, so ties go to the earliest
     pick, pick_valid = topk_positions(combined, ks, min(max(ks), kw))
+    scores = exact.gather(2, pick[..., None].expand(-1, -1, -1, exact.shape[3])).to(top.device)  # (B, H, k, R)
     pick, pick_valid = pick.to(top.device), pick_valid.to(top.device)
-    return top.gather(2, pick), pick_valid & valid.gather(2, pick)
+    return top.gather(2, pick), pick_valid & valid.gather(2, pick), scores
 
 
 def approx_scores(index: PQIndex, q: torch.Tensor) -> torch.Tensor:
