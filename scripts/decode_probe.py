@@ -7,6 +7,7 @@ python scripts/decode_probe.py ab --seq-len 4096 --what fused          # stacked
 python scripts/decode_probe.py ab --seq-len 8192 --what layer          # the short decode forward vs transformers'
 python scripts/decode_probe.py ab --seq-len 8192 --what int4           # int8 vs int4 decode weights
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
+python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
 python scripts/decode_probe.py head                                    # LM head kernels and exact-argmax bounds
 python scripts/decode_probe.py parts --seq-len 8192                    # wall-clock ms of the PQ layers' parts
 python scripts/decode_probe.py omp --seq-len 1024                      # decode beside a thread with OpenMP helpers
@@ -36,9 +37,9 @@ from pqcache.serving.loading import load_model  # noqa: E402
 from pqcache.tools.e2e import prompt_ids  # noqa: E402
 
 
-def prefilled(seq_len: int, method: str):
+def prefilled(seq_len: int, method: str, config: PQCacheConfig | None = None):
     model, tok = load_model("default", device="cpu", progress=lambda *_: None)
-    cache = make_cache(model, method, PQCacheConfig())
+    cache = make_cache(model, method, config or PQCacheConfig())
     logits = prefill(model, torch.tensor([prompt_ids(tok, seq_len)]), cache)
     if method != "full":
         cache.wait()
@@ -226,8 +227,17 @@ def labelled(f, label: str, record_function):
     return call
 
 
-def settings(model, what: str):
-    """(A, B): callables that switch the running model to setting A or B."""
+def settings(model, what: str, cache=None):
+    """(A, B): callables that switch the running model (and its cache) to setting A or B."""
+    if what == "blocks":  # A: the PQ layers' device block cache (explicit capacity), B: none (a CPU's default)
+        layers = cache.pq_layers
+        blocks = [layer.window.blocks for layer in layers]
+
+        def use(on: bool):
+            for layer, b in zip(layers, blocks):
+                layer.window.blocks = b if on else None
+
+        return (lambda: use(True)), (lambda: use(False))
     if what == "threads":
         return (lambda: torch.set_num_threads(2)), (lambda: torch.set_num_threads(1))
     if what == "scores":  # A: the re-rank's scores stand in for the picks' keys, B: the picks' keys fetched too
@@ -285,8 +295,9 @@ def settings(model, what: str):
 
 
 def ab(args):
-    model, _, cache, token = prefilled(args.seq_len, args.method)
-    setups = dict(zip("AB", settings(model, args.what)))
+    config = PQCacheConfig(block_cache_tokens=1024) if args.what == "blocks" else PQCacheConfig()
+    model, _, cache, token = prefilled(args.seq_len, args.method, config)
+    setups = dict(zip("AB", settings(model, args.what, cache)))
     times = {"A": [], "B": []}
     for rnd in range(8):
         for name in "AB" if rnd % 2 == 0 else "BA":
@@ -371,7 +382,7 @@ def main():
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument(
         "--what",
-        choices=["threads", "fused", "layer", "int4", "scores"],
+        choices=["threads", "fused", "layer", "int4", "scores", "blocks"],
         default="threads",
         help="ab: what A and B differ in",
     )

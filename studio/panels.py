@@ -43,10 +43,11 @@ def block_cache_off(session) -> str | None:
     if session is None or session.cache is None:
         return None
     cfg = session.config
-    capacity = min(cfg.block_cache_tokens, session.n_tokens // 4 // cfg.block_size * cfg.block_size)
+    setting = cfg.block_cache_for(session.device)
+    capacity = min(setting, session.n_tokens // 4 // cfg.block_size * cfg.block_size)
     if capacity >= cfg.block_size:
         return None
-    if cfg.block_cache_tokens < cfg.block_size:
+    if setting < cfg.block_size:
         return "No block cache: its capacity is set\nto less than one block (Settings)."
     return (
         f"No block cache for this document: it holds\nat most a quarter of the {session.n_tokens} tokens,"

@@ -127,7 +127,7 @@ def test_memory_accounting_and_tiers():
     assert stats["host_kv_bytes"] == n_layers * 2 * B * H * S * D * 4
     n_init, n_topk, n_local = cfg.split(S)
     # device: [sinks | window | top-k buffer | 1 new token] + the block cache
-    per_layer_tokens = n_init + n_local + n_topk + 1 + min(cfg.block_cache_tokens, S // 4 // 128 * 128)
+    per_layer_tokens = n_init + n_local + n_topk + 1 + min(cfg.block_cache_for("cpu"), S // 4 // 128 * 128)
     assert stats["device_kv_bytes"] == n_layers * 2 * B * H * per_layer_tokens * D * 4
 
 

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 
 from pqcache import PQCache, PQCacheConfig
 from pqcache.engine import pq
+from pqcache.engine.errors import PQCacheConfigError
 from pqcache.engine.layer.blockcache import BlockCache
 from pqcache.engine.layer.host import HostTier
 
@@ -128,6 +129,28 @@ def test_block_cache_eviction_order(policy, victim):
     assert _retrieve(bc, k_host, k_host, [2]) == 4  # block 2 now hits, all 4 tokens
     slot = bc.slot_block[0, 0].tolist().index(2)
     assert torch.equal(bc.k[0, 0, slot], k_host[0, 0, 8:12])  # with block 2's data
+
+
+def test_block_cache_default_is_off_on_a_cpu_and_on_elsewhere():
+    """The default capacity (None) is 1024 tokens where the device has memory of its own and 0 on a CPU; an explicit
+    capacity holds everywhere. A CPU cache at the defaults has no block cache; with a capacity set, it has one."""
+    cfg = PQCacheConfig()
+    assert cfg.block_cache_tokens is None
+    assert (cfg.block_cache_for("cpu"), cfg.block_cache_for(torch.device("cuda"))) == (0, 1024)
+    assert PQCacheConfig(block_cache_tokens=256).block_cache_for("cpu") == 256
+    with pytest.raises(PQCacheConfigError, match="block_cache_tokens"):
+        PQCacheConfig(block_cache_tokens=100)  # not a multiple of block_size
+    model = tiny_model("llama")
+    ids = torch.randint(1, 96, (1, 1200), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        default, explicit = (
+            PQCache(model, PQCacheConfig(bits=4)),
+            PQCache(model, PQCacheConfig(bits=4, block_cache_tokens=256)),
+        )
+        greedy_generate(model, ids, default, n=2)
+        greedy_generate(model, ids, explicit, n=2)
+    assert default.pq_layers[0].window.blocks is None
+    assert explicit.pq_layers[0].window.blocks is not None and explicit.pq_layers[0].stats["hits"] >= 0
 
 
 def test_block_cache_serves_hits_with_the_right_data():

@@ -117,7 +117,7 @@ class DocumentSession:
         n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         per_token = 2 * n_kv * head_dim * next(self.model.parameters()).element_size()
         cfg = self.config
-        full = n_tokens + cfg.budget_tokens(n_tokens) + min(cfg.block_cache_tokens, n_tokens // 4)
+        full = n_tokens + cfg.budget_tokens(n_tokens) + min(cfg.block_cache_for(self.device), n_tokens // 4)
         return per_token * sum(
             full if kind == "full_attention" else min(n_tokens, kw.get("sliding_window") or n_tokens)
             for kind, kw in zip(layer_types, kwargs)

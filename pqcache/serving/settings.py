@@ -40,7 +40,9 @@ class LoadSettings:
     n_init: object = 32  # sink tokens
     n_local: object = 0  # recent window; 0: half of what the budget leaves after the sinks
     policy: str = "lfu"  # block-cache eviction
-    capacity: object = 1024  # block cache (tokens), rounded down to whole blocks
+    # block cache (tokens), rounded down to whole blocks; set even on a CPU, where the engine's default is none: the
+    # page's panel shows what it does on a GPU
+    capacity: object = 1024
     encoding: str | None = "utf-8"  # of an uploaded text file
     too_long: str = "refuse"  # or "cut the middle"
 

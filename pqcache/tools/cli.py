@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-cache-tokens",
         type=int,
         default=PQCacheConfig.block_cache_tokens,
-        help="device block cache per layer, in tokens (0: off)",
+        help="device block cache per layer, in tokens (0: off; default: 1024 on a GPU, off on a CPU, where the "
+        "device and host tiers are the same memory)",
     )
     g.add_argument("--cache-policy", default=PQCacheConfig.cache_policy, choices=["lru", "lfu"])
     g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")

@@ -65,7 +65,7 @@ def estimate(
     sliding = (sh.layers - sh.full_layers) * min(context, sh.sliding_window) * per_token * batch
     full = sh.full_layers * context * per_token * batch + sliding
     n_init, k, n_local = cfg.split(context)
-    cache = min(cfg.block_cache_tokens, context // 4)
+    cache = min(cfg.block_cache_for("cuda"), context // 4)  # a model of a GPU
     device = sh.full_layers * (n_init + n_local + k + cache) * per_token * batch + sliding
     pq = sh.full_layers * sh.kv_heads * batch * (cfg.m * context + n_centroids * sh.head_dim * 4)
     link_bytes = sh.full_layers * k * (1 - hit_rate) * per_token * batch

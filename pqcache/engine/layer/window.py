@@ -52,7 +52,7 @@ class DeviceWindow:
 
         self.blocks = None
         # at most a quarter of the prefill: a device tier as large as the context would defeat the purpose
-        capacity = min(config.block_cache_tokens, S // 4 // config.block_size * config.block_size)
+        capacity = min(config.block_cache_for(self.device), S // 4 // config.block_size * config.block_size)
         if capacity >= config.block_size:
             self.blocks = BlockCache(
                 B, host.H, host.D, host.dtype, self.device, config.block_size, capacity, config.block_admit, policy
