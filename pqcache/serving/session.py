@@ -108,19 +108,23 @@ class DocumentSession:
         return min(filter(None, [limit, self.max_tokens]), default=None)
 
     def estimate_bytes(self, n_tokens: int) -> int:
-        """K/V bytes a prefill of n_tokens will hold: full-attention layers keep every token on the host
-        tier plus a device buffer of the budget and a block cache (at most a quarter of the tokens);
-        sliding-window layers keep their window."""
+        """Bytes a prefill of n_tokens will hold (an upper bound of nbytes() after it): full-attention layers keep
+        every token's K/V on the host tier, a device buffer of the budget plus the new token's slot and a block
+        cache (at most a quarter of the tokens), and PQ codes and centroids; sliding-window layers keep their
+        window."""
         text_config = self.model.config.get_text_config(decoder=True)
         layer_types, kwargs = get_layer_types_and_kwargs(text_config)
         head_dim = head_dim_of(text_config)
         n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         per_token = 2 * n_kv * head_dim * next(self.model.parameters()).element_size()
-        cfg = self.config
-        full = n_tokens + cfg.budget_tokens(n_tokens) + min(cfg.block_cache_for(self.device), n_tokens // 4)
-        return per_token * sum(
-            full if kind == "full_attention" else min(n_tokens, kw.get("sliding_window") or n_tokens)
-            for kind, kw in zip(layer_types, kwargs)
+        cfg = self.config.for_head_dim(head_dim)
+        full = n_tokens + cfg.budget_tokens(n_tokens) + 1 + min(cfg.block_cache_for(self.device), n_tokens // 4)
+        # uint8 codes (m a token) and float32 centroids (2^bits x head_dim), and OPQ's rotation, per KV head
+        pq = n_kv * (cfg.m * n_tokens + (1 << cfg.bits_for(n_tokens, head_dim)) * head_dim * 4)
+        pq += n_kv * head_dim * head_dim * 4 if cfg.opq else 0
+        window = [min(n_tokens, kw.get("sliding_window") or n_tokens) for kw in kwargs]
+        return sum(
+            full * per_token + pq if kind == "full_attention" else w * per_token for kind, w in zip(layer_types, window)
         )
 
     @torch.no_grad()
