@@ -12,7 +12,6 @@ import threading
 import gradio as gr
 
 from pqcache import Instrumentation
-from pqcache.engine.config import block_cache_capacity
 from pqcache.serving.session import DocumentSession
 from viz import figures
 
@@ -44,8 +43,8 @@ def block_cache_off(session) -> str | None:
     if session is None or session.cache is None:
         return None
     cfg = session.config
-    # a replica's document carries its config as plain fields (cluster/views.py); the app always sets a capacity
-    setting = block_cache_capacity(cfg.block_cache_tokens, getattr(session, "device", "cpu"))
+    # the app always sets a capacity; a replica's document (cluster/views.py) does not say its device
+    setting = cfg.block_cache_for(getattr(session, "device", "cpu"))
     capacity = min(setting, session.n_tokens // 4 // cfg.block_size * cfg.block_size)
     if capacity >= cfg.block_size:
         return None

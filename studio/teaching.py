@@ -10,6 +10,7 @@ import os
 import gradio as gr
 
 from pqcache import Instrumentation, PQCacheConfig
+from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS
 from pqcache.serving.prompt import PromptBuilder
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import number
@@ -53,7 +54,11 @@ class TeachingTab:
         user, studio = user_of(request), self.studio
         with self.pool.use(user):
             try:
-                config = PQCacheConfig(token_budget=number(budget, "token budget"), pq_timeout_s=studio.pq_timeout_s)
+                config = PQCacheConfig(
+                    token_budget=number(budget, "token budget"),
+                    pq_timeout_s=studio.pq_timeout_s,
+                    block_cache_tokens=DEVICE_BLOCK_CACHE_TOKENS,  # the walkthrough's fetch shows the GPU design
+                )
                 session = DocumentSession(studio.model, studio.tokenizer, config, method="pqcache")
                 session.load(
                     text,

@@ -4,10 +4,10 @@ the picks' values."""
 import pytest
 import torch
 
-import pqcache.engine.methods.oracle as oracle_method
 import pqcache.engine.methods.pqcache as pqcache_method
 from pqcache import PQCache, PQCacheConfig
 from pqcache.engine.layer.attention import masked_attention
+from pqcache.engine.methods.oracle import Oracle
 
 from .conftest import greedy_generate, tiny_model
 
@@ -50,9 +50,12 @@ def test_attention_with_selection_scores_equals_attention_over_fetched_keys(monk
     cfg = PQCacheConfig(token_budget=0.2, **SMALL)
     with torch.no_grad():
         seq, scores, moved, cache = _moved_to_device(model, ids, cfg, method)
-        # the method leaves its scores under a key the layer does not read: the keys are fetched as before
-        module = pqcache_method if method == "pqcache" else oracle_method
-        monkeypatch.setattr(module, "PICKED_SCORES", "not read by the layer")
+        # the scores path off: PQCache leaves its scores under a key the layer does not read, the oracle keeps them
+        # to itself; the keys are fetched as before
+        if method == "pqcache":
+            monkeypatch.setattr(pqcache_method, "PICKED_SCORES", "not read by the layer")
+        else:
+            monkeypatch.setattr(Oracle, "exact", False)
         seq_keys, scores_keys, moved_keys, _ = _moved_to_device(model, ids, cfg, method)
     assert torch.equal(seq, seq_keys)
     torch.testing.assert_close(scores, scores_keys, rtol=1e-5, atol=1e-5)

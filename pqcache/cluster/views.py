@@ -12,6 +12,7 @@ import traceback
 from dataclasses import asdict
 from types import SimpleNamespace
 
+from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled, NoDocumentError, PQCacheError, SessionEvictedError
 
 
@@ -78,7 +79,7 @@ class RemoteDocument:
         self.name, self.n_tokens, self.method = view["name"], view["n_tokens"], view["method"]
         self.info, self.last_stats = view["info"], view["last_stats"]
         self.truncated = tuple(view["truncated"]) if view["truncated"] else None
-        self.config = SimpleNamespace(**view["config"])
+        self.config = PQCacheConfig(**view["config"])
         self.cache = CacheView(view["pq_layers"], view["stats"])
         self.prefill_obs = None
         if view["prefill_panels"] is not None:

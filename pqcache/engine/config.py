@@ -10,14 +10,6 @@ from pqcache.engine.errors import PQCacheConfigError
 DEVICE_BLOCK_CACHE_TOKENS = 1024  # the block cache's capacity where block_cache_tokens is None, on an accelerator
 
 
-def block_cache_capacity(block_cache_tokens: int | None, device) -> int:
-    """A block_cache_tokens setting on `device`: the setting, or (None) DEVICE_BLOCK_CACHE_TOKENS off a CPU and 0 on
-    one."""
-    if block_cache_tokens is not None:
-        return block_cache_tokens
-    return 0 if getattr(device, "type", device) == "cpu" else DEVICE_BLOCK_CACHE_TOKENS
-
-
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)  # True is an int to Python, not to a user
 
@@ -211,7 +203,9 @@ class PQCacheConfig:
 
     def block_cache_for(self, device) -> int:
         """Block-cache capacity (tokens per layer) on `device` (a torch.device or its type, "cpu", "cuda")."""
-        return block_cache_capacity(self.block_cache_tokens, device)
+        if self.block_cache_tokens is not None:
+            return self.block_cache_tokens
+        return 0 if getattr(device, "type", device) == "cpu" else DEVICE_BLOCK_CACHE_TOKENS
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import astuple, dataclass
 
-from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS, PQCacheConfig
 from pqcache.engine.errors import PQCacheConfigError
 
 ENCODINGS = ["utf-8", "cp1252", "latin-1", "utf-16"]  # offered for a text file; any codec name is accepted
@@ -42,7 +42,7 @@ class LoadSettings:
     policy: str = "lfu"  # block-cache eviction
     # block cache (tokens), rounded down to whole blocks; set even on a CPU, where the engine's default is none: the
     # page's panel shows what it does on a GPU
-    capacity: object = 1024
+    capacity: object = DEVICE_BLOCK_CACHE_TOKENS
     encoding: str | None = "utf-8"  # of an uploaded text file
     too_long: str = "refuse"  # or "cut the middle"
 

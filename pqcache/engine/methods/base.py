@@ -9,9 +9,9 @@ scores and picks (kvpress style: one small dataclass per method):
     one shared top-k (`select_top`) turns them into positions;
   - rule-based methods (full, streaming, h2o, snapkv, pyramidkv, infllm) implement `select`.
 
-A method whose selection computed the exact scaled q.k of what it picked (PQCache's re-rank) leaves them in
-view.state[PICKED_SCORES] (B, H, k, R), aligned with the positions it returns: the layer then fetches only those
-tokens' values and attends with these scores.
+A method whose selection computed the exact scaled q.k of what it picked (PQCache's re-rank; a ScoreMethod with
+`exact = True`, the oracle) leaves them in view.state[PICKED_SCORES] (B, H, k, R), aligned with the positions it
+returns: the layer then fetches only those tokens' values and attends with these scores.
 
 Shapes: B rows, H KV heads, S positions, R query rows per KV head (GQA group x chunk).
 """
@@ -71,12 +71,18 @@ class Method(ABC):
 class ScoreMethod(Method):
     """A method that scores every stored token; the shared top-k picks the best candidates."""
 
+    exact: ClassVar[bool] = False  # score() is the exact q.k: the picks' scores go to the attention (see above)
+
     @abstractmethod
     def score(self, view, q: torch.Tensor) -> torch.Tensor:
         """q (B, H, R, D) scaled -> scores (B, H, S, R), one per token and query row."""
 
     def select(self, view, q):
-        return select_top(self.score(view, q), view.candidates, view.ks, view.k_max, view.config.gqa_combine)
+        scores = self.score(view, q)
+        top, valid = select_top(scores, view.candidates, view.ks, view.k_max, view.config.gqa_combine)
+        if self.exact:
+            view.state[PICKED_SCORES] = scores.gather(2, top[..., None].expand(-1, -1, -1, scores.shape[3]))
+        return top, valid
 
 
 def exact_scores(view, q: torch.Tensor) -> torch.Tensor:
