@@ -10,7 +10,8 @@ from pqcache.serving.settings import number
 from pqcache.tools import costmodel
 from viz import figures
 
-DEFAULT = ("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", 0.2)  # model, context, batch, gpu, link, budget
+# model, context, batch, gpu, link, budget (the engine's default)
+DEFAULT = ("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", PQCacheConfig.token_budget)
 HEADERS = ["quantity", "value", "verdict"]
 
 
@@ -18,7 +19,7 @@ def budget_words(budget: float, context: int, per_step: int) -> str:
     """The budget with its unit: a fraction of the context, or a count of tokens."""
     if budget <= 1:
         return f"{budget:g} of the context = {per_step:,} tokens per step"
-    return f"{int(budget):,} tokens per step (a count; a fraction is written 0.2)"
+    return f"{int(budget):,} tokens per step (a count; a fraction is written 0.1)"
 
 
 def fits(need_gib: float, gpu_gib: float) -> str:
@@ -89,7 +90,7 @@ def build_cost_tab():
     with gr.Row():
         c_ctx = gr.Number(context, label="context (tokens)", precision=0)
         c_batch = gr.Number(batch, label="batch", precision=0)
-        c_budget = gr.Number(budget, label="token budget: a fraction of the context (0.2) or a count of tokens (2048)")
+        c_budget = gr.Number(budget, label="token budget: a fraction of the context (0.1) or a count of tokens (2048)")
     c_table = gr.Dataframe(headers=HEADERS, interactive=False, elem_id="cost-table")
     c_plot = gr.Plot(label="memory vs context", show_label=False, elem_id="cost-plot")
     inputs = [c_model, c_ctx, c_batch, c_gpu, c_link, c_budget]

@@ -62,7 +62,7 @@ def build_qa_tab(tab: QATab, methods: list[str]):
                 with gr.Row():
                     m = gr.Number(d.m, label="m (sub-spaces; 0: from the head size)", precision=0)
                     bits = gr.Number(d.bits, label="bits (0: from the length)", precision=0)
-                    budget = gr.Number(d.budget, label="token budget (a fraction like 0.2, or a count like 1024)")
+                    budget = gr.Number(d.budget, label="token budget (a fraction like 0.1, or a count like 1024)")
                 with gr.Row():
                     n_init = gr.Number(d.n_init, label="sink tokens", precision=0)
                     n_local = gr.Number(d.n_local, label="window (0: half the budget)", precision=0)
