@@ -8,6 +8,7 @@ python scripts/decode_probe.py ab --seq-len 8192 --what layer          # the sho
 python scripts/decode_probe.py ab --seq-len 8192 --what int4           # int8 vs int4 decode weights
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
+python scripts/decode_probe.py ab --seq-len 32768 --what budget        # default budget (1/10) vs 1/5 (two forks)
 python scripts/decode_probe.py head                                    # LM head kernels and exact-argmax bounds
 python scripts/decode_probe.py parts --seq-len 8192                    # wall-clock ms of the PQ layers' parts
 python scripts/decode_probe.py omp --seq-len 1024                      # decode beside a thread with OpenMP helpers
@@ -297,16 +298,26 @@ def settings(model, what: str, cache=None):
 def ab(args):
     config = PQCacheConfig(block_cache_tokens=1024) if args.what == "blocks" else PQCacheConfig()
     model, _, cache, token = prefilled(args.seq_len, args.method, config)
-    setups = dict(zip("AB", settings(model, args.what, cache)))
+    if args.what == "budget":  # A: the default budget (1/10), B: 1/5; two forks of one prefill, each decoding its own
+        caches = {
+            "A": cache.fork(args.method, PQCacheConfig()),
+            "B": cache.fork(args.method, PQCacheConfig(token_budget=0.2)),
+        }
+        setups = {"A": lambda: None, "B": lambda: None}
+    else:
+        caches = {"A": cache, "B": cache}
+        setups = dict(zip("AB", settings(model, args.what, cache)))
+    tokens = {"A": token, "B": token}
     times = {"A": [], "B": []}
     for rnd in range(8):
         for name in "AB" if rnd % 2 == 0 else "BA":
             setups[name]()
-            token = steps(model, cache, token, 1)  # the first step after a switch is not timed
+            token = steps(model, caches[name], tokens[name], 1)  # the first step after a switch is not timed
             for _ in range(5):
                 t0 = time.perf_counter()
-                token = steps(model, cache, token, 1)
+                token = steps(model, caches[name], token, 1)
                 times[name].append((time.perf_counter() - t0) * 1e3)
+            tokens[name] = token
     for name, ts in times.items():
         q1 = statistics.quantiles(ts, n=4)[0]
         print(
@@ -382,7 +393,7 @@ def main():
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument(
         "--what",
-        choices=["threads", "fused", "layer", "int4", "scores", "blocks"],
+        choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget"],
         default="threads",
         help="ab: what A and B differ in",
     )
