@@ -30,7 +30,7 @@ def test_load_settings_are_the_form_in_the_order_of_the_endpoint():
     params = list(inspect.signature(QATab.load_document).parameters)
     form = params[params.index("pasted") + 1 : params.index("request")]
     assert form == [f.name for f in fields(LoadSettings)]
-    assert LoadSettings().values() == ["pqcache", 0, 0, 0.2, 32, 0, "lfu", 1024, "utf-8", "refuse"]
+    assert LoadSettings().values() == ["pqcache", 0, 0, 0.1, 32, 0, "lfu", 1024, "utf-8", "refuse"]
     config = LoadSettings().to_config(pq_timeout_s=8)
     assert (
         config.m,
@@ -41,7 +41,7 @@ def test_load_settings_are_the_form_in_the_order_of_the_endpoint():
         config.cache_policy,
         config.block_cache_tokens,
         config.pq_timeout_s,
-    ) == (None, None, 0.2, 32, None, "lfu", 1024, 8)
+    ) == (None, None, 0.1, 32, None, "lfu", 1024, 8)
     assert (LoadSettings(m=2, bits=6).to_config().m, LoadSettings(m=2, bits=6).to_config().bits) == (2, 6)
     assert LoadSettings(budget="300", n_local=40).to_config().token_budget == 300
     assert LoadSettings(too_long="cut the middle").truncate == "middle" and LoadSettings().truncate == "refuse"

@@ -36,7 +36,7 @@ class LoadSettings:
     method: str = "pqcache"
     m: object = 0  # sub-spaces; 0: chosen from the model's head size (sub-spaces of at most 64 dimensions)
     bits: object = 0  # per code; 0: chosen from the document's length
-    budget: object = 0.1  # token budget: a fraction of the document, or a count
+    budget: object = PQCacheConfig.token_budget  # a fraction of the document (1/10), or a count
     n_init: object = 32  # sink tokens
     n_local: object = 0  # recent window; 0: half of what the budget leaves after the sinks
     policy: str = "lfu"  # block-cache eviction
