@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--token-budget",
         type=_budget,
         default=PQCacheConfig.token_budget,
-        help="fraction of the context (0.2) or a token count (1024)",
+        help="fraction of the context (default 0.1) or a token count (1024)",
     )
     g.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
     g.add_argument("--n-local", type=int, default=None)
