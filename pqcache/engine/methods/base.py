@@ -81,8 +81,13 @@ class ScoreMethod(Method):
         scores = self.score(view, q)
         top, valid = select_top(scores, view.candidates, view.ks, view.k_max, view.config.gqa_combine)
         if self.exact:
-            view.state[PICKED_SCORES] = scores.gather(2, top[..., None].expand(-1, -1, -1, scores.shape[3]))
+            view.state[PICKED_SCORES] = scores_at(scores, top)
         return top, valid
+
+
+def scores_at(scores: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """scores (B, H, S, R), indices pos (B, H, k) along S -> their scores (B, H, k, R)."""
+    return scores.gather(2, pos[..., None].expand(-1, -1, -1, scores.shape[3]))
 
 
 def exact_scores(view, q: torch.Tensor) -> torch.Tensor:

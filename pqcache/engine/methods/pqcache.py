@@ -20,6 +20,7 @@ from pqcache.engine.methods.base import (
     ScoreMethod,
     combine_rows,
     positions_of,
+    scores_at,
     select_top,
     topk_positions,
 )
@@ -114,7 +115,7 @@ def rerank_exact(view, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, 
     ok = valid.to(host.host)
     combined = combine_rows(exact, ok, mode)  # (B, H, k'); top is in position order, so ties go to the earliest
     pick, pick_valid = topk_positions(combined, ks, min(max(ks), kw))
-    scores = exact.gather(2, pick[..., None].expand(-1, -1, -1, exact.shape[3])).to(top.device)  # (B, H, k, R)
+    scores = scores_at(exact, pick).to(top.device)  # (B, H, k, R)
     pick, pick_valid = pick.to(top.device), pick_valid.to(top.device)
     return top.gather(2, pick), pick_valid & valid.gather(2, pick), scores
 
