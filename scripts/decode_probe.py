@@ -9,6 +9,7 @@ python scripts/decode_probe.py ab --seq-len 8192 --what int4           # int8 vs
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
 python scripts/decode_probe.py ab --seq-len 32768 --what budget        # default budget (1/10) vs 1/5 (two forks)
+python scripts/decode_probe.py ab --seq-len 8192 --what onerow         # PQ layers' one-row step vs the general one
 python scripts/decode_probe.py head                                    # LM head kernels and exact-argmax bounds
 python scripts/decode_probe.py parts --seq-len 8192                    # wall-clock ms of the PQ layers' parts
 python scripts/decode_probe.py omp --seq-len 1024                      # decode beside a thread with OpenMP helpers
@@ -239,6 +240,11 @@ def settings(model, what: str, cache=None):
                 layer.window.blocks = b if on else None
 
         return (lambda: use(True)), (lambda: use(False))
+    if what == "onerow":  # A: the PQ layers' one-row decode step (layer/onerow.py), B: PQLayer.attend's general step
+        import pqcache.engine.layer.onerow as onerow
+
+        ready = onerow.ready
+        return (lambda: setattr(onerow, "ready", ready)), (lambda: setattr(onerow, "ready", lambda *_: False))
     if what == "threads":
         return (lambda: torch.set_num_threads(2)), (lambda: torch.set_num_threads(1))
     if what == "scores":  # A: the re-rank's scores stand in for the picks' keys, B: the picks' keys fetched too
@@ -393,7 +399,7 @@ def main():
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument(
         "--what",
-        choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget"],
+        choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow"],
         default="threads",
         help="ab: what A and B differ in",
     )

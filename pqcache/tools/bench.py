@@ -113,7 +113,7 @@ def bench_attention(
             layer.select(q_rows, 1.0)
 
         def rerank_stage():
-            rerank_exact(view, q_rows, *qs, ks, cfg.gqa_combine)
+            rerank_exact(view.host, q_rows, *qs, ks, cfg.gqa_combine)
 
         for fn in (dense, pq_step, search, rerank_stage):  # warm-up
             fn()

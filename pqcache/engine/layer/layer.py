@@ -27,6 +27,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import InputError
+from pqcache.engine.layer import onerow
 from pqcache.engine.layer.attention import masked_attention
 from pqcache.engine.layer.host import HostTier
 from pqcache.engine.layer.probe import observe_step
@@ -72,6 +73,7 @@ class PQLayer(CacheLayerMixin):
         self.fallback: str | None = None  # why this layer attends to every token (a failed PQ build)
         self.obs = None  # Instrumentation, when attached
         self.last_selection = None
+        self._one_row = None  # onerow.py's knowledge of the device window
         self.counters = {"steps": 0, "hits": 0, "misses": 0, "fallback": None}
 
     # ---- transformers Cache layer protocol -------------------------------------------------------
@@ -209,6 +211,9 @@ class PQLayer(CacheLayerMixin):
         k_new, v_new = self.pending
         self.pending = None
         self.method.prepare(self.view())  # install finished background work (the first use waits)
+        if onerow.ready(self, query):  # a decode step of one row: the same step in few operators (onerow.py)
+            return onerow.attend(self, query, k_new, v_new, new_valid, scaling, softcap)
+        self._one_row = None  # what onerow.py knew of the window may not hold after this step
         B, Hq, Q, D = query.shape
         H = self.host.H
         q = query.reshape(B, H, Hq // H * Q, D)  # query heads h*G..h*G+G-1 share KV head h

@@ -72,16 +72,12 @@ class PQCacheMethod(ScoreMethod):
         top, valid = self.search(view, q, wide)
         if wide == ks:  # single stage, or the budget already covers the candidates
             return top, valid
-        top, valid, view.state[PICKED_SCORES] = rerank_exact(view, q, top, valid, ks, view.config.gqa_combine)
+        top, valid, view.state[PICKED_SCORES] = rerank_exact(view.host, q, top, valid, ks, view.config.gqa_combine)
         return top, valid
 
     def search(self, view, q, ks: list[int]):
         """The first stage: the ks[b] best candidates of each row by PQ scores."""
-        index: PQIndex = view.state["index"]
-        cand, mode, k_max = view.candidates, view.config.gqa_combine, min(max(ks), view.S)
-        if index.use_tuples and view.S >= 2 * index.n_tuples:  # below that, per-tuple work costs more than it saves
-            return select_by_tuples(index, q, cand, ks, k_max, mode)
-        return select_top(self.score(view, q), cand, ks, k_max, mode)
+        return search(view.state["index"], q, view.candidates, ks, view.config.gqa_combine)
 
     def stats(self, view):
         index = view.state.get("index")
@@ -90,6 +86,16 @@ class PQCacheMethod(ScoreMethod):
     def device_bytes(self, view):
         index = view.state.get("index")
         return 0 if index is None else index.nbytes
+
+
+def search(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], mode: str):
+    """q (B, H, R, D) scaled, cand (B, S) -> the ks[b] best candidates of each row by PQ scores: positions
+    (B, H, k) and validity."""
+    S = index.host.S
+    k_max = min(max(ks), S)
+    if index.use_tuples and S >= 2 * index.n_tuples:  # below that, per-tuple work costs more than it saves
+        return select_by_tuples(index, q, cand, ks, k_max, mode)
+    return select_top(approx_scores(index, q), cand, ks, k_max, mode)
 
 
 def first_stage_counts(view) -> list[int]:
@@ -101,13 +107,12 @@ def first_stage_counts(view) -> list[int]:
     return [min(max(cfg.rerank * k, floor), n) for k, n in zip(view.ks, n_cand, strict=True)]
 
 
-def rerank_exact(view, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], mode: str):
+def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], mode: str):
     """The second stage: exact q.k of the PQ candidates top (B, H, k') picks the final k of each row,
     under the same GQA combine. It runs where the keys live (the host tier): only the query goes
     there and only positions and the picks' scores come back -> positions (B, H, k), validity (B, H, k) and
     the picks' exact scores (B, H, k, R) on the device. With those scores the step needs only the picks'
-    values: their keys are never fetched (half the bytes host to device)."""
-    host = view.host
+    values: their keys are never fetched (half the bytes host to device). host: the layer's HostTier."""
     B, H, kw = top.shape
     bh = torch.arange(B * H).view(B, H, 1).expand(B, H, kw).reshape(-1)
     keys = host.key_rows(bh, top.to(host.host).reshape(-1))  # (B*H*k', D) on the host

@@ -1,0 +1,115 @@
+"""A PQ layer's decode step for one row and one new token, in few operators (the CPU decode path, issue 15).
+
+PQLayer.attend serves every case: batches of left-padded rows, question chunks, the device block cache,
+forks, the instrumentation and nine selection methods, through a read-only view and per-row lists. On a CPU
+that generality costs more than the arithmetic: about 250 operators and a millisecond of Python per layer and
+step at 8K tokens, where the step's real work (PQ search, re-rank, fetch, attention) is about one millisecond.
+
+The step a user's answer takes (one row, one token, PQCache's own selection, no block cache, no observer) is
+computed here with the same functions on the same tensors for everything that is arithmetic (PQ scores, the
+GQA combine, top-k with its tie rule, the re-rank, the masked attention, the codes of the new key), so its
+output and picks are those of PQLayer.attend (tests/test_onerow.py); only the bookkeeping is shorter: the
+candidates are a prefix of the searchable flags, the picks' values are copied into the buffer directly, the
+mask of a window whose sinks and ring are all real tokens is known, and the new token's ring slot is a number.
+Anything else (a padded row, a new token that is not real, a second codebook segment, OPQ) takes PQLayer.attend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pqcache.engine.layer.attention import masked_attention
+from pqcache.engine.methods.pqcache import PQCacheMethod, rerank_exact, search
+
+
+def ready(layer, query: torch.Tensor) -> bool:
+    """Whether `layer`'s step for query (B, Hq, Q, D) can take this path (checked after the method's prepare)."""
+    if query.shape[0] != 1 or query.shape[2] != 1 or type(layer.method) is not PQCacheMethod or layer.obs is not None:
+        return False
+    window, index = layer.window, layer.method_state.get("index")
+    if window.blocks is not None or index is None or len(index.segments) != 1 or index.rotations:
+        return False
+    state = _state(layer)
+    return state.real
+
+
+class _State:
+    """What the path knows about a layer's device window between steps (rebuilt when the window is replaced)."""
+
+    def __init__(self, window):
+        self.window = window
+        # every sink is a real token and the ring holds only real tokens of the window: then the mask is ones
+        # there, and stays so while each new token is real (it takes the slot of the oldest ring token)
+        self.real = bool(window.init_valid.all()) and bool(window.ring_valid().all()) and window.L > 0
+        self.ones = None  # (1, H, 1, n_init + L) bool
+
+
+def _state(layer) -> _State:
+    state = getattr(layer, "_one_row", None)
+    if state is None or state.window is not layer.window:
+        state = layer._one_row = _State(layer.window)
+    return state
+
+
+def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) -> torch.Tensor:
+    """query (1, Hq, 1, D), k_new, v_new (1, H, 1, D), new_valid (1, 1) -> attention output (1, 1, Hq, D), with
+    the layer's tiers, index and counters updated as PQLayer.attend updates them."""
+    host, window, config, state = layer.host, layer.window, layer.config, _state(layer)
+    index = layer.method_state["index"]
+    _, Hq, _, D = query.shape
+    H, S = host.H, host.S
+    q = query.reshape(1, H, Hq // H, D)  # (1, H, G, D): query heads h*G..h*G+G-1 share KV head h
+
+    # the step's budget and candidates (PQLayer.topk_counts, DeviceWindow.candidates, first_stage_counts)
+    n_init, n_topk, n_local = config.split(window.n_real[0])
+    k = max(0, n_init + n_topk + n_local - window.n_init_valid[0] - window.n_local[0])
+    cand = host.searchable[:, :S].clone()  # (1, S): real tokens that are not sinks, older than the window
+    cand[:, max(0, S - window.n_local[0]) :] = False
+    n_cand = int(cand.sum())
+    k_max = min(k, S)
+    scores = None
+    if k_max == 0 or n_cand == 0:
+        top = torch.zeros((1, H, 0), dtype=torch.long, device=layer.device)
+        top_valid = top.bool()
+    else:
+        qs = q * scaling
+        floor = config.rerank_min_tokens if config.rerank > 1 else 0
+        wide = min(max(config.rerank * k, floor), n_cand)
+        mode = config.gqa_combine
+        top, top_valid = search(index, qs, cand, [wide], mode)
+        if wide != k:
+            top, top_valid, scores = rerank_exact(host, qs, top, top_valid, [k], mode)
+
+    # the picks into the buffer after the sinks and ring (values only when the re-rank scored their keys)
+    kk, lo = top.shape[2], window.n_init + window.L
+    window.ensure(kk, 1)
+    bh = torch.arange(H).repeat_interleave(kk)
+    picked_k, picked_v = host.rows(bh, top.to(host.host).reshape(-1), keys=scores is None)
+    window.v[0, :, lo : lo + kk] = picked_v.view(H, kk, D)
+    if scores is None:
+        window.k[0, :, lo : lo + kk] = picked_k.view(H, kk, D)
+    window.k[:, :, lo + kk : lo + kk + 1] = k_new
+    window.v[:, :, lo + kk : lo + kk + 1] = v_new
+    if state.ones is None or state.ones.shape[1] != H or state.ones.shape[3] != lo:
+        state.ones = torch.ones((1, H, 1, lo), dtype=torch.bool, device=layer.device)
+    mask = torch.cat([state.ones, top_valid[:, :, None, :], new_valid.view(1, 1, 1, 1).expand(1, H, 1, 1)], dim=3)
+    keys, values = window.k[:, :, : lo + kk + 1], window.v[:, :, : lo + kk + 1]
+    known = None if scores is None else (lo, scores)
+    out, _ = masked_attention(q, keys, values, mask, scaling, softcap, known)
+
+    # the new token: host tier, flags, its ring slot, its codes (PQLayer._append)
+    layer.last_selection = (top, top_valid)
+    start = host.append(k_new, v_new)
+    host.valid[:, start : start + 1] = new_valid
+    host.searchable[:, start : start + 1] = new_valid
+    slot = start % window.L
+    window.k[:, :, window.n_init + slot] = k_new[:, :, 0]
+    window.v[:, :, window.n_init + slot] = v_new[:, :, 0]
+    window.slot_pos[slot] = start
+    real = int(new_valid.sum())
+    window.n_real[0] += real
+    state.real = real == 1  # a token that is not real would change the ring's mask: PQLayer.attend from now on
+    index.append(start, k_new)
+    layer.counters["misses"] += int(top_valid.sum())
+    layer.counters["steps"] += 1
+    return out
