@@ -1,6 +1,8 @@
 """The one-row decode step (layer/onerow.py) computes what PQLayer.attend computes: same tokens, bit-identical
 scores, same picks, same tiers and codes afterwards."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -20,8 +22,9 @@ CONFIGS = {
 }
 
 
-def _run(model, ids, cfg, one_row: bool, monkeypatch, n=12):
-    """Greedy tokens with or without the one-row path -> (sequences, scores, cache, one-row steps taken)."""
+@contextlib.contextmanager
+def _one_row(monkeypatch, on: bool = True):
+    """The one-row path on (counted: yields the list its steps append to) or off."""
     taken = []
     real_attend = onerow.attend
 
@@ -31,11 +34,16 @@ def _run(model, ids, cfg, one_row: bool, monkeypatch, n=12):
 
     with monkeypatch.context() as m:
         m.setattr(onerow, "attend", counted)
-        if not one_row:
+        if not on:
             m.setattr(onerow, "ready", lambda layer, query: False)
+        yield taken
+
+
+def _run(model, ids, cfg, one_row: bool, monkeypatch, n=12):
+    """Greedy tokens with or without the one-row path -> (sequences, scores, cache, one-row steps taken)."""
+    with _one_row(monkeypatch, one_row) as taken, torch.no_grad():
         cache = PQCache(model, cfg)
-        with torch.no_grad():
-            seq, scores = greedy_generate(model, ids, cache, n=n)
+        seq, scores = greedy_generate(model, ids, cache, n=n)
     return seq, scores, cache, len(taken)
 
 
@@ -82,23 +90,17 @@ def test_one_row_step_after_a_question_chunk_on_a_fork(monkeypatch):
     cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, **SMALL)
 
     def answer(one_row: bool):
-        taken = []
-        real_attend = onerow.attend
-        with monkeypatch.context() as m:
-            m.setattr(onerow, "attend", lambda *a, **k: taken.append(1) or real_attend(*a, **k))
-            if not one_row:
-                m.setattr(onerow, "ready", lambda layer, query: False)
-            with torch.no_grad():
-                parent = PQCache(model, cfg)
-                model(doc, cache=parent)
-                parent.wait()
-                fork = parent.fork("pqcache")
-                logits = model(question, cache=fork).logits[:, -1:]
-                tokens = []
-                for _ in range(8):
-                    token = logits.argmax(-1)
-                    tokens.append(token)
-                    logits = model(token, cache=fork).logits
+        with _one_row(monkeypatch, one_row) as taken, torch.no_grad():
+            parent = PQCache(model, cfg)
+            model(doc, cache=parent)
+            parent.wait()
+            fork = parent.fork("pqcache")
+            logits = model(question, cache=fork).logits[:, -1:]
+            tokens = []
+            for _ in range(8):
+                token = logits.argmax(-1)
+                tokens.append(token)
+                logits = model(token, cache=fork).logits
         return torch.cat(tokens, 1), logits, fork, len(taken)
 
     tokens, logits, fork, taken = answer(True)
@@ -119,13 +121,9 @@ def test_steps_the_one_row_path_does_not_take(monkeypatch):
         (PQCacheConfig(token_budget=0.2, **SMALL), True, 1),
         (PQCacheConfig(token_budget=0.2, block_size=16, block_cache_tokens=32, **SMALL), False, 1),
     ):
-        taken = []
-        real_attend = onerow.attend
-        with monkeypatch.context() as m:
-            m.setattr(onerow, "attend", lambda *a, **k: taken.append(1) or real_attend(*a, **k))
+        with _one_row(monkeypatch) as taken, torch.no_grad():
             cache = PQCache(model, cfg)
             if observe:
                 cache.instrument(attention_every=0, recall_every=0)
-            with torch.no_grad():
-                greedy_generate(model, ids[:rows], cache, n=4)
+            greedy_generate(model, ids[:rows], cache, n=4)
         assert taken == [] and cache.pq_layers[0].counters["steps"] == 3
