@@ -5,7 +5,8 @@ python scripts/decode_probe.py ops --seq-len 4096                      # profile
 python scripts/decode_probe.py ab --seq-len 8192 --what threads        # one-process A/B: 2 threads vs 1
 python scripts/decode_probe.py ab --seq-len 4096 --what fused          # stacked q/k/v, gate/up vs separate
 python scripts/decode_probe.py ab --seq-len 8192 --what layer          # the short decode forward vs transformers'
-python scripts/decode_probe.py ab --seq-len 8192 --what int4           # int8 vs int4 decode weights
+python scripts/decode_probe.py ab --seq-len 8192 --what int4           # auto (int4 where 4-bit, else int8) vs int4
+python scripts/decode_probe.py ab --seq-len 8192 --what int8           # auto decode weights vs int8 everywhere
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
 python scripts/decode_probe.py ab --seq-len 32768 --what budget        # default budget (1/10) vs 1/5 (two forks)
@@ -269,9 +270,9 @@ def settings(model, what: str, cache=None):
     if what == "layer":  # A: the short decode forward (decode_layer.py), B: transformers' layer forward
         return (lambda: layer_forward(True)), (lambda: layer_forward(False))
     linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
-    if what == "int4":  # A: the int8 copies the model was loaded with, B: int4 copies of the same linears
+    if what in ("int4", "int8"):  # A: the copies the model was loaded with ("auto"), B: int4 / int8 copies of them
         holders = {id(h): h for m in linears for h in (m, m.group) if h is not None and h.weights is not None}
-        other = {k: WEIGHT_KINDS["int4"][0](h.float_weight()) for k, h in holders.items()}
+        other = {k: WEIGHT_KINDS[what][0](h.float_weight()) for k, h in holders.items()}
         mine = {k: h.weights for k, h in holders.items()}
 
         def use(copies):
@@ -399,7 +400,7 @@ def main():
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument(
         "--what",
-        choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow"],
+        choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow", "int8"],
         default="threads",
         help="ab: what A and B differ in",
     )

@@ -291,10 +291,55 @@ def test_decode_weights_keep_full_budget_equal_to_full_attention(arch, kind):
     assert_full_budget_equals_full_attention(model, seed=2, tol=1e-5)
 
 
+def _on_four_bit_grid(rows: int, cols: int, g: torch.Generator, levels=(2, 13)) -> torch.Tensor:
+    """Weights as a 4-bit model stores them (a GGUF Q4_K block): each group of 32 is step * q - offset, q an integer
+    in levels (here not all 16 of them, as in many real blocks)."""
+    n = rows * cols // 32
+    step = torch.rand(n, 1, generator=g) * 0.01 + 0.001
+    offset = step * torch.randint(0, 16, (n, 1), generator=g)  # Q4_K: dmin * m, of the order of 16 steps
+    q = torch.randint(levels[0], levels[1], (n, 32), generator=g).float()
+    return (step * q - offset).view(rows, cols)
+
+
+def test_int4_copies_of_four_bit_weights_keep_their_grid():
+    """Groups already on a 4-bit grid keep it (their step as the scale): the int4 copy is the weights up to the bf16
+    rounding of scale and zero, far inside half a step, where the (max - min) / 15 scale of a group using 11 of the
+    16 levels misplaces them by up to a third of a step; weights off any 4-bit grid are recognised as such."""
+    from pqcache.serving.quantize import four_bit_share, grid_steps, quantize_int4
+
+    g = torch.Generator().manual_seed(4)
+    w = _on_four_bit_grid(64, 128, g)
+    step, on_grid = grid_steps(w.view(-1, 32))
+    assert bool(on_grid.all()) and four_bit_share(w) == 1.0
+    _, _, err = quantize_int4(w)  # (64, 4): ||w - w~|| over each row's groups of 32
+    assert float((err / (step.view(64, 4) * 32**0.5)).max()) < 0.05
+    five_bit = _on_four_bit_grid(64, 128, g, levels=(0, 32))  # 32 levels: a Q5_0 block
+    assert four_bit_share(five_bit) < 0.01 and four_bit_share(torch.randn(64, 128, generator=g)) == 0.0
+
+
+def test_auto_decode_weights_take_int4_where_the_model_is_four_bit():
+    """ "auto": int4 for the linears whose weights lie on a 4-bit grid (both MLP siblings must), int8 for the others;
+    PQCache at a full budget still equals full attention through them."""
+    model = tiny_model("gemma3")
+    g = torch.Generator().manual_seed(5)
+    layer = model.model.layers[1]
+    with torch.no_grad():
+        for lin in (layer.self_attn.o_proj, layer.mlp.gate_proj):
+            lin.weight.copy_(_on_four_bit_grid(*lin.weight.shape, g))
+    assert install_decode_weights(model, "auto") == 7 * len(model.model.layers)
+    kinds = {
+        name: getattr(layer.self_attn if "_proj" in name and name[0] in "qkvo" else layer.mlp, name).kind
+        for name in ("q_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    }
+    assert kinds == {"q_proj": "int8", "o_proj": "int4", "gate_proj": "int8", "up_proj": "int8", "down_proj": "int8"}
+    assert model.model.layers[0].self_attn.o_proj.kind == "int8"
+    assert_full_budget_equals_full_attention(model, seed=2, tol=1e-5)
+
+
 def test_load_model_rejects_unknown_decode_weights():
     from pqcache import load_model
 
-    with pytest.raises(ValueError, match="decode_weights must be one of int8, int4, model"):
+    with pytest.raises(ValueError, match="decode_weights must be one of int8, auto, int4, model"):
         load_model("default", decode_weights="int2")
 
 

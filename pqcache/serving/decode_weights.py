@@ -14,11 +14,16 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pqcache.serving.quantize import WEIGHT_KINDS
+from pqcache.serving.quantize import WEIGHT_KINDS, four_bit_share
 
-DECODE_WEIGHTS = ("int8", "int4", "model")
-# int8 by default: int4 reads 2.5x fewer bytes a step, but it changed the bundled model's answer to a plain question
-# under full attention (tests/test_real_model.py; docs/results.md)
+DECODE_WEIGHTS = ("int8", "auto", "int4", "model")
+# "auto": int4 for the linears whose weights already are 4-bit (every group of 32 on a grid of at most 16 levels:
+# the GGUF's Q4_K tensors, o_proj and half of down_proj in the bundled model), whose int4 copy is closer to the
+# model's weights than an int8 one (quantize.grid_steps), int8 rows for the others: 1.4 ms a step less at 8K.
+# int8 stays the default: on the bundled sample, "What is the pass key?" is decided by 0.075 nats between "6" and "1"
+# in the float32 model, and "auto" tips it to "1" where int8 keeps "6" (docs/benchmarks.md, seventh pass).
+# int4 for every linear reads 2.5x fewer bytes a step but loses half the levels of the 5- and 8-bit tensors, and
+# changed the answer outright (tests/test_real_model.py; docs/results.md).
 DEFAULT_DECODE_WEIGHTS = "int8"
 
 # Sibling projections that read the same input: one matmul over their stacked rows serves them all.
@@ -94,13 +99,13 @@ class FusedSiblings:
         return y
 
 
-def install_decode_weights(model, kind: str = "int8") -> int:
+def install_decode_weights(model, kind: str = DEFAULT_DECODE_WEIGHTS) -> int:
     """Wrap every nn.Linear inside the model's decoder layers (not the LM head, not the embeddings; not one whose
-    input width the kernel cannot take) in a DecodeLinear of `kind` ("int8" or "int4"), and stack the siblings of
-    FUSED_SIBLINGS. Returns how many were wrapped (0 where the kernel is missing)."""
+    input width the kernel cannot take) in a DecodeLinear of `kind` ("auto", "int8" or "int4"), and stack the
+    siblings of FUSED_SIBLINGS. Returns how many were wrapped (0 where the kernel is missing)."""
     from pqcache.engine.cache import decoder_layers
 
-    takes = WEIGHT_KINDS[kind][1]
+    takes = WEIGHT_KINDS["int8" if kind == "auto" else kind][1]
     wrapped = 0
     for _, layer in decoder_layers(model):
         for parent in list(layer.modules()):
@@ -108,9 +113,21 @@ def install_decode_weights(model, kind: str = "int8") -> int:
             made = {}
             for names in FUSED_SIBLINGS:  # siblings of the same input width: quantized once, stacked
                 if all(n in linears for n in names) and len({linears[n].in_features for n in names}) == 1:
-                    made.update({n: DecodeLinear(linears[n], kind, quantize=False) for n in names})
+                    group_kind = kind_for([linears[n].weight for n in names], kind)
+                    made.update({n: DecodeLinear(linears[n], group_kind, quantize=False) for n in names})
                     FusedSiblings([made[n] for n in names])
             for name, child in linears.items():
-                setattr(parent, name, made[name] if name in made else DecodeLinear(child, kind))
+                setattr(
+                    parent, name, made[name] if name in made else DecodeLinear(child, kind_for([child.weight], kind))
+                )
                 wrapped += 1
     return wrapped
+
+
+def kind_for(weights: list[torch.Tensor], kind: str) -> str:
+    """The copy a linear (or a stack of siblings) gets under `kind`: "auto" -> "int4" when every group of its
+    weights lies on a 4-bit grid and the int4 kernel takes them, "int8" otherwise."""
+    if kind != "auto":
+        return kind
+    four_bit = all(WEIGHT_KINDS["int4"][1](w.shape[1]) and four_bit_share(w) == 1.0 for w in weights)
+    return "int4" if four_bit else "int8"

@@ -103,7 +103,7 @@ def load_model(
 ):
     """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M. dtype: None (float32 on a CPU,
     bf16 on CUDA), "auto" (bf16 where the CPU has native bf16), "float32", "bfloat16" or a torch.dtype (fast.py).
-    decode_weights: "int8" or "int4" (on a CPU, decode steps read quantized copies of the decoder linears:
+    decode_weights: "auto", "int8" or "int4" (on a CPU, decode steps read quantized copies of the decoder linears:
     decode_weights.py) or "model" (every forward reads the model's own weights). The work runs on a thread that
     ends with it, so the caller's thread keeps no OpenMP helpers that would slow decoding on other threads
     (engine/threads.py)."""

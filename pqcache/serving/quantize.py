@@ -50,14 +50,41 @@ def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     for start in range(0, V, PACK_ROWS):
         wg = w[start : start + PACK_ROWS].view(-1, D // GROUP, GROUP)  # (n, G, 32)
         lo, hi = wg.amin(-1), wg.amax(-1)  # (n, G)
-        scale = ((hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
-        zero = (lo + 8 * scale.float()).to(torch.bfloat16)
+        step, on_grid = grid_steps(wg)
+        scale = torch.where(on_grid, step, (hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
+        s = scale.float()
+        # the level stored as q = 8 (the zero) is a level of the group: lo for (hi - lo) / 15 scales; for a group on
+        # a grid of fewer levels, the one nearest 0, so that the zero's bf16 rounding is smallest
+        span = ((hi - lo) / s).round()
+        first = torch.where(on_grid, (8 + lo / s).round().clamp(min=0).minimum(15 - span), torch.zeros_like(lo))
+        zero = (lo + (8 - first) * s).to(torch.bfloat16)
         s, z = scale.float()[..., None], zero.float()[..., None]
         q = torch.round((wg - z) / s + 8).clamp(0, 15)  # (n, G, 32)
         err.append((wg - ((q - 8) * s + z)).pow(2).sum(-1).sqrt())
         packed.append(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(-1, D).to(torch.int32), 1))
         sz.append(torch.stack([scale, zero], -1).transpose(0, 1))  # (G, n, 2)
     return torch.cat(packed), torch.cat(sz, 1).contiguous(), torch.cat(err)
+
+
+def grid_steps(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """wg (..., GROUP) groups of weights -> (step, on_grid) (...): whether each group's weights already lie on a
+    grid of at most 16 levels lo + j * step (a 4-bit quantized model's group, e.g. a GGUF Q4_K block of 32), and the
+    step. Such a group is stored with that step as its scale: its int4 copy is the model's own weights up to the
+    bf16 rounding of scale and zero, where the (hi - lo) / 15 scale of a group that does not use all 16 levels
+    would put the levels elsewhere."""
+    ordered = wg.sort(-1).values
+    gaps = ordered[..., 1:] - ordered[..., :-1]
+    lo, hi = ordered[..., 0], ordered[..., -1]
+    tiny = (hi - lo).abs()[..., None] * 1e-4  # gaps below this are one level (fp32 rounding of a dequantization)
+    step = torch.where(gaps > tiny, gaps, torch.inf).amin(-1)  # (...): the smallest gap between levels
+    level = (wg - lo[..., None]) / step[..., None]
+    on_grid = torch.isfinite(step) & ((level - level.round()).abs() <= 1e-3).all(-1) & (level.round().amax(-1) <= 15)
+    return torch.where(on_grid, step, torch.zeros_like(step)), on_grid
+
+
+def four_bit_share(w: torch.Tensor) -> float:
+    """w (N, K), K a multiple of GROUP -> the share of its groups of GROUP weights that lie on a 4-bit grid."""
+    return float(grid_steps(w.detach().float().reshape(-1, GROUP))[1].float().mean())
 
 
 class Int8Rows:
