@@ -60,8 +60,11 @@ def train_rotation(keys: torch.Tensor, m: int, bits: int, iters: int, seed: int)
     return torch.from_numpy(faiss.vector_to_array(opq.A).reshape(D, D).copy())
 
 
-def encode(keys: torch.Tensor, centroids: torch.Tensor, metric: str) -> torch.Tensor:
-    """keys (..., H, S, D), centroids (..., H, m, C, d) -> codes (..., H, m, S) uint8."""
+def encode(
+    keys: torch.Tensor, centroids: torch.Tensor, metric: str, half_norm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """keys (..., H, S, D), centroids (..., H, m, C, d) -> codes (..., H, m, S) uint8. half_norm: centroid_half_norms
+    of these centroids, when the caller keeps them (a decode step codes one key)."""
     *lead, S, D = keys.shape
     m, C, d = centroids.shape[-3:]
     sub = keys.to(centroids.dtype).reshape(*lead, S, m, d).transpose(-2, -3)  # (..., H, m, S, d)
@@ -69,8 +72,13 @@ def encode(keys: torch.Tensor, centroids: torch.Tensor, metric: str) -> torch.Te
     if metric == "ip":
         return ip.argmax(-1).to(torch.uint8)
     # argmin ||x - c||^2 = argmax (x.c - |c|^2 / 2)
-    half_norm = 0.5 * (centroids * centroids).sum(-1)  # (..., H, m, C)
+    half_norm = centroid_half_norms(centroids) if half_norm is None else half_norm  # (..., H, m, C)
     return (ip - half_norm.unsqueeze(-2)).argmax(-1).to(torch.uint8)
+
+
+def centroid_half_norms(centroids: torch.Tensor) -> torch.Tensor:
+    """centroids (..., C, d) -> |c|^2 / 2 (..., C)."""
+    return 0.5 * (centroids * centroids).sum(-1)
 
 
 def reconstruct(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:

@@ -56,6 +56,7 @@ class PQIndex:
         # OPQ rotations (B, H, D, D) by segment start, kept on the host: keys and queries are rotated
         # before the codebooks see them (q.k = Rq.Rk for an orthogonal R)
         self.rotations: dict[int, torch.Tensor] = {}
+        self._half_norms: tuple = (None, None)  # (centroids, their |c|^2 / 2) of the newest segment
         self.builds = Builds(executor, config.pq_timeout_s)
         self.generated = 0  # decoded tokens since the prefill (for rebuild_every)
         self.stats = {
@@ -184,7 +185,9 @@ class PQIndex:
     def encode(self, keys: torch.Tensor) -> torch.Tensor:
         """Codes (B, H, m, n) of keys (B, H, n, D) under the newest segment's codebook (and rotation)."""
         start, cents = self.segments[-1]
-        return pq.encode(self.rotate(keys, start), cents, self.config.metric)
+        if self._half_norms[0] is not cents:  # kept per codebook: a decode step codes one key against all of them
+            self._half_norms = (cents, pq.centroid_half_norms(cents))
+        return pq.encode(self.rotate(keys, start), cents, self.config.metric, self._half_norms[1])
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Keys or queries (B, H, n, D) in the coordinates of the segment starting at `start`: R x with
