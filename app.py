@@ -1,7 +1,7 @@
 """PQCache Studio: ask questions about a long document and watch PQ-retrieved attention at work.
 
 python app.py [--host 127.0.0.1] [--port 7860] [--model default|PATH] [--dtype float32|bfloat16|auto]
-              [--decode-weights int8|int4|model] [--concurrency 2] [--max-cache-gib G] [--idle-minutes 30]
+              [--decode-weights int8|auto|int4|model] [--concurrency 2] [--max-cache-gib G] [--idle-minutes 30]
               [--max-document-tokens N] [--pq-timeout 120]
               [--ray auto|local|HOST:PORT --replicas N --replica-cpus 1]
 

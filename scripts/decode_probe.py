@@ -5,7 +5,7 @@ python scripts/decode_probe.py ops --seq-len 4096                      # profile
 python scripts/decode_probe.py ab --seq-len 8192 --what threads        # one-process A/B: 2 threads vs 1
 python scripts/decode_probe.py ab --seq-len 4096 --what fused          # stacked q/k/v, gate/up vs separate
 python scripts/decode_probe.py ab --seq-len 8192 --what layer          # the short decode forward vs transformers'
-python scripts/decode_probe.py ab --seq-len 8192 --what int4           # auto (int4 where 4-bit, else int8) vs int4
+python scripts/decode_probe.py ab --seq-len 8192 --what int4           # int8 vs int4 decode weights
 python scripts/decode_probe.py ab --seq-len 8192 --what int8           # auto decode weights vs int8 everywhere
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
@@ -40,8 +40,8 @@ from pqcache.serving.loading import load_model  # noqa: E402
 from pqcache.tools.e2e import prompt_ids  # noqa: E402
 
 
-def prefilled(seq_len: int, method: str, config: PQCacheConfig | None = None):
-    model, tok = load_model("default", device="cpu", progress=lambda *_: None)
+def prefilled(seq_len: int, method: str, config: PQCacheConfig | None = None, decode_weights: str = "int8"):
+    model, tok = load_model("default", device="cpu", progress=lambda *_: None, decode_weights=decode_weights)
     cache = make_cache(model, method, config or PQCacheConfig())
     logits = prefill(model, torch.tensor([prompt_ids(tok, seq_len)]), cache)
     if method != "full":
@@ -120,6 +120,7 @@ def parts(args):
     """Wall-clock time (no profiler) of the PQ layers' attention and its parts, summed over the 3 layers, per step."""
     import pqcache.engine.layer.blockcache as blockcache
     import pqcache.engine.layer.layer as layer
+    import pqcache.engine.layer.onerow as onerow
     import pqcache.engine.layer.window as window
     import pqcache.engine.methods.pqcache as method
 
@@ -147,6 +148,9 @@ def parts(args):
         (blockcache.BlockCache, "admit"),
         (layer, "masked_attention"),
         (layer.PQLayer, "_append"),
+        (onerow, "search"),  # the one-row step's calls of the same functions (layer/onerow.py)
+        (onerow, "rerank_exact"),
+        (onerow, "masked_attention"),
     ]:
         timed(owner, name)
     model, _, cache, token = prefilled(args.seq_len, "pqcache")
@@ -270,7 +274,7 @@ def settings(model, what: str, cache=None):
     if what == "layer":  # A: the short decode forward (decode_layer.py), B: transformers' layer forward
         return (lambda: layer_forward(True)), (lambda: layer_forward(False))
     linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
-    if what in ("int4", "int8"):  # A: the copies the model was loaded with ("auto"), B: int4 / int8 copies of them
+    if what in ("int4", "int8"):  # A: the copies the model was loaded with (int8, or auto), B: int4 / int8 copies
         holders = {id(h): h for m in linears for h in (m, m.group) if h is not None and h.weights is not None}
         other = {k: WEIGHT_KINDS[what][0](h.float_weight()) for k, h in holders.items()}
         mine = {k: h.weights for k, h in holders.items()}
@@ -304,7 +308,8 @@ def settings(model, what: str, cache=None):
 
 def ab(args):
     config = PQCacheConfig(block_cache_tokens=1024) if args.what == "blocks" else PQCacheConfig()
-    model, _, cache, token = prefilled(args.seq_len, args.method, config)
+    weights = "auto" if args.what == "int8" else "int8"  # "int8": the auto copies (A) against int8 everywhere (B)
+    model, _, cache, token = prefilled(args.seq_len, args.method, config, weights)
     if args.what == "budget":  # A: the default budget (1/10), B: 1/5; two forks of one prefill, each decoding its own
         caches = {
             "A": cache.fork(args.method, PQCacheConfig()),
