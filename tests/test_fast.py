@@ -305,16 +305,19 @@ def test_int4_copies_of_four_bit_weights_keep_their_grid():
     """Groups already on a 4-bit grid keep it (their step as the scale): the int4 copy is the weights up to the bf16
     rounding of scale and zero, far inside half a step, where the (max - min) / 15 scale of a group using 11 of the
     16 levels misplaces them by up to a third of a step; weights off any 4-bit grid are recognised as such."""
-    from pqcache.serving.quantize import four_bit_share, grid_steps, quantize_int4
+    from pqcache.serving.quantize import grid_steps, is_four_bit, quantize_int4
 
     g = torch.Generator().manual_seed(4)
     w = _on_four_bit_grid(64, 128, g)
     step, on_grid = grid_steps(w.view(-1, 32))
-    assert bool(on_grid.all()) and four_bit_share(w) == 1.0
-    _, _, err = quantize_int4(w)  # (64, 4): ||w - w~|| over each row's groups of 32
+    assert bool(on_grid.all()) and is_four_bit(w)
+    _, _, err = quantize_int4(w, keep_grid=True)  # (64, 4): ||w - w~|| over each row's groups of 32
     assert float((err / (step.view(64, 4) * 32**0.5)).max()) < 0.05
     five_bit = _on_four_bit_grid(64, 128, g, levels=(0, 32))  # 32 levels: a Q5_0 block
-    assert four_bit_share(five_bit) < 0.01 and four_bit_share(torch.randn(64, 128, generator=g)) == 0.0
+    assert float(grid_steps(five_bit.view(-1, 32))[1].float().mean()) < 0.01
+    assert not is_four_bit(five_bit) and not is_four_bit(torch.randn(64, 128, generator=g))
+    w[5, 40] += 0.3 * float(step[0])  # one weight off the grid: the tensor is not 4-bit any more
+    assert not is_four_bit(w)
 
 
 def test_auto_decode_weights_take_int4_where_the_model_is_four_bit():

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pqcache.serving.quantize import WEIGHT_KINDS, four_bit_share
+from pqcache.serving.quantize import WEIGHT_KINDS, is_four_bit
 
 DECODE_WEIGHTS = ("int8", "auto", "int4", "model")
 # "auto": int4 for the linears whose weights already are 4-bit (every group of 32 on a grid of at most 16 levels:
@@ -129,5 +129,5 @@ def kind_for(weights: list[torch.Tensor], kind: str) -> str:
     weights lies on a 4-bit grid and the int4 kernel takes them, "int8" otherwise."""
     if kind != "auto":
         return kind
-    four_bit = all(WEIGHT_KINDS["int4"][1](w.shape[1]) and four_bit_share(w) == 1.0 for w in weights)
+    four_bit = all(WEIGHT_KINDS["int4"][1](w.shape[1]) and is_four_bit(w) for w in weights)
     return "int4" if four_bit else "int8"

@@ -41,16 +41,19 @@ def quantize_rows(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.contiguous(), scale
 
 
-def quantize_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize_int4(w: torch.Tensor, keep_grid: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """w (V, D) float, V a multiple of 64, D of GROUP -> (packed (V, D/2) uint8 in the CPU kernel's layout,
     scales_and_zeros (D/GROUP, V, 2) bf16, err (V, D/GROUP) float: ||w - w~||_2 over each row's group), asymmetric:
-    w~ = (q - 8) * scale + zero, q in 0..15. err uses the bf16 scale and zero the kernel really multiplies by."""
+    w~ = (q - 8) * scale + zero, q in 0..15. err uses the bf16 scale and zero the kernel really multiplies by.
+    keep_grid: groups already on a 4-bit grid keep it (grid_steps; it sorts every group: 0.7 s per 10M weights here,
+    so the LM head's copy, whose weights are 8-bit, does without)."""
     V, D = w.shape
     packed, sz, err = [], [], []
     for start in range(0, V, PACK_ROWS):
         wg = w[start : start + PACK_ROWS].view(-1, D // GROUP, GROUP)  # (n, G, 32)
         lo, hi = wg.amin(-1), wg.amax(-1)  # (n, G)
-        step, on_grid = grid_steps(wg)
+        # without keep_grid no group is taken as on a grid (and `step` is never read)
+        step, on_grid = grid_steps(wg) if keep_grid else (lo, torch.zeros_like(lo, dtype=torch.bool))
         scale = torch.where(on_grid, step, (hi - lo) / 15).clamp(min=1e-8).to(torch.bfloat16)
         s = scale.float()
         # the level stored as q = 8 (the zero) is a level of the group: lo for (hi - lo) / 15 scales; for a group on
@@ -82,9 +85,11 @@ def grid_steps(wg: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.where(on_grid, step, torch.zeros_like(step)), on_grid
 
 
-def four_bit_share(w: torch.Tensor) -> float:
-    """w (N, K), K a multiple of GROUP -> the share of its groups of GROUP weights that lie on a 4-bit grid."""
-    return float(grid_steps(w.detach().float().reshape(-1, GROUP))[1].float().mean())
+def is_four_bit(w: torch.Tensor, probe_groups: int = 256) -> bool:
+    """w (N, K), K a multiple of GROUP -> whether every group of GROUP weights lies on a 4-bit grid (the first
+    probe_groups are checked alone first: a 5- or 8-bit tensor fails there, without sorting all of it)."""
+    groups = w.detach().float().reshape(-1, GROUP)
+    return bool(grid_steps(groups[:probe_groups])[1].all()) and bool(grid_steps(groups)[1].all())
 
 
 class Int8Rows:
@@ -106,7 +111,7 @@ class Int4Groups:
         """w (N, K) float, K a multiple of GROUP (rows padded with zeros to the kernel's blocks of 64)."""
         w = w.detach().float()
         self.N = w.shape[0]
-        self.packed, self.scales_and_zeros, _ = quantize_int4(F.pad(w, (0, 0, 0, -self.N % ROW_BLOCK)))
+        self.packed, self.scales_and_zeros, _ = quantize_int4(F.pad(w, (0, 0, 0, -self.N % ROW_BLOCK)), keep_grid=True)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x (R, K) bf16 -> (R, N) bf16."""
