@@ -291,3 +291,26 @@ def test_readme_example_method_runs():
     for h in range(2):  # middle tokens (after the sinks, before the window), ties to the earliest
         expected = sorted(range(4, 300 - 8), key=lambda i: (-norms[h][i], i))[:48]
         assert set(top[0, h][valid[0, h]].tolist()) == set(expected)
+
+
+@pytest.mark.parametrize("k", [5, 40, 70])
+def test_shared_top_k_reads_only_up_to_the_last_candidate(k):
+    """select_top leaves the rows' tails after their last candidate (the local windows) out of the top-k: the same
+    picks and validity as a top-k over the whole rows, ties to the earliest included; k = 70 is more than a row's
+    candidates (the extra picks are invalid)."""
+    from pqcache.engine.methods.base import combine_rows, select_top, topk_positions
+
+    g = torch.Generator().manual_seed(k)
+    B, H, S, R = 2, 2, 100, 3
+    scores = torch.randn(B, H, S, R, generator=g).round(decimals=1)  # coarse values: ties at the k-th score
+    cand = torch.zeros(B, S, dtype=torch.bool)
+    cand[0, 4:80], cand[1, 10:61] = True, True  # sinks, then each row's window after its last candidate
+    for mode in ("softmax_sum", "sum"):
+        top, valid = select_top(scores, cand, [k, k], k, mode)
+        full, full_valid = topk_positions(combine_rows(scores, cand, mode), [k, k], k)
+        full_valid = full_valid & torch.gather(cand[:, None, :].expand(-1, H, -1), 2, full)
+        for b in range(B):
+            for h in range(H):
+                got = sorted(top[b, h][valid[b, h]].tolist())
+                assert got == sorted(full[b, h][full_valid[b, h]].tolist())
+                assert len(got) == min(k, int(cand[b].sum()))

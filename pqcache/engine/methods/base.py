@@ -153,7 +153,11 @@ def positions_of(chosen: torch.Tensor):
 
 
 def select_top(scores_srh: torch.Tensor, cand, ks, k_max, mode: str):
-    """Per-token scores (B, H, S, R) -> combined -> top-k positions, restricted to candidates."""
+    """Per-token scores (B, H, S, R) -> combined -> top-k positions, restricted to candidates (B, S)."""
     scores = combine_rows(scores_srh, cand, mode)
-    top, valid = topk_positions(scores, ks, k_max)
+    # the candidates end where the local window starts: torch's top-k selection over a row ending in a block of
+    # equal values (the window's -inf) costs 4x more than over the candidates alone (0.44 against 0.11 ms at 32K)
+    S = cand.shape[-1]
+    end = max(k_max, S - int(cand.any(0).flip(-1).int().argmax()))
+    top, valid = topk_positions(scores[..., :end], ks, k_max)
     return top, valid & torch.gather(cand[:, None, :].expand(-1, scores.shape[1], -1), 2, top)
