@@ -2,16 +2,17 @@
 
 PQLayer.attend serves every case: batches of left-padded rows, question chunks, the device block cache,
 forks, the instrumentation and nine selection methods, through a read-only view and per-row lists. On a CPU
-that generality costs more than the arithmetic: about 250 operators and a millisecond of Python per layer and
-step at 8K tokens, where the step's real work (PQ search, re-rank, fetch, attention) is about one millisecond.
+that generality costs more than the arithmetic: 250 top-level operators and about a millisecond of Python per
+layer and step at 8K tokens, where the step's real work (PQ search, re-rank, fetch, attention) is about as much.
 
 The step a user's answer takes (one row, one token, PQCache's own selection, no block cache, no observer) is
 computed here with the same functions on the same tensors for everything that is arithmetic (PQ scores, the
 GQA combine, top-k with its tie rule, the re-rank, the masked attention, the codes of the new key), so its
 output and picks are those of PQLayer.attend (tests/test_onerow.py); only the bookkeeping is shorter: the
 candidates are a prefix of the searchable flags, the picks' values are copied into the buffer directly, the
-mask of a window whose sinks and ring are all real tokens is known, and the new token's ring slot is a number.
-Anything else (a padded row, a new token that is not real, a second codebook segment, OPQ) takes PQLayer.attend.
+mask of a window whose sinks and ring are all real tokens is known, and the new token's ring slot is a number:
+183 top-level operators at 8K (docs/benchmarks.md, seventh pass). Anything else (a padded row, a new token that is
+not real, a second codebook segment, OPQ, an observer, a block cache) takes PQLayer.attend.
 """
 
 from __future__ import annotations
