@@ -2,16 +2,16 @@
 
 PQLayer.attend serves every case: batches of left-padded rows, question chunks, the device block cache,
 forks, the instrumentation and nine selection methods, through a read-only view and per-row lists. On a CPU
-that generality costs more than the arithmetic: 250 top-level operators and about a millisecond of Python per
+that generality costs more than the arithmetic: about 250 top-level operators and about a millisecond of Python per
 layer and step at 8K tokens, where the step's real work (PQ search, re-rank, fetch, attention) is about as much.
 
 The step a user's answer takes (one row, one token, PQCache's own selection, no block cache, no observer) is
 computed here with the same functions on the same tensors for everything that is arithmetic (PQ scores, the
 GQA combine, top-k with its tie rule, the re-rank, the masked attention, the codes of the new key), so its
 output and picks are those of PQLayer.attend (tests/test_onerow.py); only the bookkeeping is shorter: the
-candidates are a prefix of the searchable flags, the picks' values are copied into the buffer directly, the
-mask of a window whose sinks and ring are all real tokens is known, and the new token's ring slot is a number:
-183 top-level operators at 8K (docs/benchmarks.md, seventh pass). Anything else (a padded row, a new token that is
+picks' values are copied into the buffer directly (no block cache to consult), the mask of a window whose sinks
+and ring are all real tokens is known, and no timeline span or observer hook runs: about 190 top-level operators
+at 8K (docs/benchmarks.md, seventh pass). Anything else (a padded row, a new token that is
 not real, a second codebook segment, OPQ, an observer, a block cache) takes PQLayer.attend.
 """
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from pqcache.engine.layer.attention import masked_attention
-from pqcache.engine.methods.pqcache import PQCacheMethod, rerank_exact, search
+from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
 
 
 def ready(layer, query: torch.Tensor) -> bool:
@@ -61,11 +61,9 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     H, S = host.H, host.S
     q = query.reshape(1, H, Hq // H, D)  # (1, H, G, D): query heads h*G..h*G+G-1 share KV head h
 
-    # the step's budget and candidates (PQLayer.topk_counts, DeviceWindow.candidates, first_stage_counts)
-    n_init, n_topk, n_local = config.split(window.n_real[0])
-    k = max(0, n_init + n_topk + n_local - window.n_init_valid[0] - window.n_local[0])
-    cand = host.searchable[:, :S].clone()  # (1, S): real tokens that are not sinks, older than the window
-    cand[:, max(0, S - window.n_local[0]) :] = False
+    # the step's budget and candidates (what PQLayer.select's view reads)
+    k = layer.topk_counts()[0]
+    cand = window.candidates()  # (1, S): real tokens that are not sinks, older than the window
     n_cand = int(cand.sum())
     k_max = min(k, S)
     scores = None
@@ -74,8 +72,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
         top_valid = top.bool()
     else:
         qs = q * scaling
-        floor = config.rerank_min_tokens if config.rerank > 1 else 0
-        wide = min(max(config.rerank * k, floor), n_cand)
+        wide = first_stage_count(config, k, n_cand)
         mode = config.gqa_combine
         top, top_valid = search(index, qs, cand, [wide], mode)
         if wide != k:
@@ -103,10 +100,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     start = host.append(k_new, v_new)
     host.valid[:, start : start + 1] = new_valid
     host.searchable[:, start : start + 1] = new_valid
-    slot = start % window.L
-    window.k[:, :, window.n_init + slot] = k_new[:, :, 0]
-    window.v[:, :, window.n_init + slot] = v_new[:, :, 0]
-    window.slot_pos[slot] = start
+    window.ring_write(k_new, v_new, start)
     real = int(new_valid.sum())
     window.n_real[0] += real
     state.real = real == 1  # a token that is not real would change the ring's mask: PQLayer.attend from now on

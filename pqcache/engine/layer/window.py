@@ -83,11 +83,16 @@ class DeviceWindow:
         if self.L == 0 or Q == 0:
             return
         first = max(0, Q - self.L)
-        pos = torch.arange(start + first, start + Q)
-        slots = self.n_init + pos % self.L
+        lo = (start + first) % self.L
+        if lo + Q - first <= self.L:  # no wrap (a decode step): one slice of slots
+            slots = slice(self.n_init + lo, self.n_init + lo + Q - first)
+            self.slot_pos[lo : lo + Q - first] = torch.arange(start + first, start + Q)
+        else:
+            pos = torch.arange(start + first, start + Q)
+            slots = self.n_init + pos % self.L
+            self.slot_pos[pos % self.L] = pos
         self.k[:, :, slots] = k[:, :, first:].to(self.device, non_blocking=True)
         self.v[:, :, slots] = v[:, :, first:].to(self.device, non_blocking=True)
-        self.slot_pos[pos % self.L] = pos
 
     def fetch(self, top: torch.Tensor, valid: torch.Tensor, span, keys: bool = True) -> dict:
         """K/V of host positions top (B, H, k) into the top-k part of the buffer: block-cache hits
@@ -151,9 +156,10 @@ class DeviceWindow:
     def candidates(self) -> torch.Tensor:
         """(B, S) bool: middle tokens of each row (real, not a sink, older than the row's window)."""
         S = self.host.S
-        pos = torch.arange(S, device=self.device)
-        local_start = torch.tensor([S - n for n in self.n_local], device=self.device)
-        return self.host.searchable[:, :S] & (pos[None, :] < local_start[:, None])
+        cand = self.host.searchable[:, :S].clone()
+        for b, n in enumerate(self.n_local):  # the row's window: its last n positions
+            cand[b, max(0, S - n) :] = False
+        return cand
 
     def ring_valid(self) -> torch.Tensor:
         """(B, L) bool: ring slots holding a real token of the row's window."""

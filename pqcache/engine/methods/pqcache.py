@@ -101,10 +101,14 @@ def search(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], m
 def first_stage_counts(view) -> list[int]:
     """Candidates the PQ search keeps per row: rerank x k, at least rerank_min_tokens (with a re-rank),
     never more than the row's candidates."""
-    cfg = view.config
-    floor = cfg.rerank_min_tokens if cfg.rerank > 1 else 0
     n_cand = view.candidates.sum(1).tolist()
-    return [min(max(cfg.rerank * k, floor), n) for k, n in zip(view.ks, n_cand, strict=True)]
+    return [first_stage_count(view.config, k, n) for k, n in zip(view.ks, n_cand, strict=True)]
+
+
+def first_stage_count(config, k: int, n_cand: int) -> int:
+    """One row's first-stage candidates for k picks out of n_cand (see first_stage_counts)."""
+    floor = config.rerank_min_tokens if config.rerank > 1 else 0
+    return min(max(config.rerank * k, floor), n_cand)
 
 
 def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], mode: str):
