@@ -319,21 +319,38 @@ def ab(args):
     else:
         caches = {"A": cache, "B": cache}
         setups = dict(zip("AB", settings(model, args.what, cache)))
+    import pqcache.engine.layer.layer as layer
+
+    in_pq = [0.0]  # seconds inside the PQ layers' attention (PQLayer.attend) during the timed step
+    attend = layer.PQLayer.attend
+
+    def timed_attend(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return attend(*a, **k)
+        finally:
+            in_pq[0] += time.perf_counter() - t0
+
+    layer.PQLayer.attend = timed_attend
     tokens = {"A": token, "B": token}
-    times = {"A": [], "B": []}
+    times, pq_times = {"A": [], "B": []}, {"A": [], "B": []}
     for rnd in range(8):
         for name in "AB" if rnd % 2 == 0 else "BA":
             setups[name]()
             token = steps(model, caches[name], tokens[name], 1)  # the first step after a switch is not timed
             for _ in range(5):
+                in_pq[0] = 0.0
                 t0 = time.perf_counter()
                 token = steps(model, caches[name], token, 1)
                 times[name].append((time.perf_counter() - t0) * 1e3)
+                pq_times[name].append(in_pq[0] * 1e3)
             tokens[name] = token
+    layer.PQLayer.attend = attend
     for name, ts in times.items():
         q1 = statistics.quantiles(ts, n=4)[0]
         print(
             f"{args.what} {args.seq_len} {name}: median {statistics.median(ts):.1f}  p25 {q1:.1f}  min {min(ts):.1f} ms"
+            f"  (PQ layers' attention: median {statistics.median(pq_times[name]):.2f} ms)"
         )
 
 
