@@ -314,3 +314,25 @@ def test_shared_top_k_reads_only_up_to_the_last_candidate(k):
                 got = sorted(top[b, h][valid[b, h]].tolist())
                 assert got == sorted(full[b, h][full_valid[b, h]].tolist())
                 assert len(got) == min(k, int(cand[b].sum()))
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_top_k_ties_go_to_the_earliest_positions(seed):
+    """topk_positions picks every position above the k-th score, then the earliest at it: for one row and KV head (a
+    decode step's few-operator pass) as for several, with coarse scores (ties at the k-th) and rows holding -inf
+    (fewer candidates than k: the earliest -inf positions fill the picks, as the general pass's mask does)."""
+    from pqcache.engine.methods.base import topk_positions
+
+    g = torch.Generator().manual_seed(seed)
+    for B, H in ((1, 1), (2, 3)):
+        S = int(torch.randint(8, 200, (1,), generator=g))
+        k = int(torch.randint(1, S, (1,), generator=g))
+        scores = torch.randn(B, H, S, generator=g).round(decimals=seed % 2)
+        if seed % 3 == 0:
+            scores[..., S // 3 :] = float("-inf")
+        top, valid = topk_positions(scores, [k] * B, k)
+        assert valid.all() and top.shape == (B, H, k)
+        for b in range(B):
+            for h in range(H):
+                row = scores[b, h].tolist()
+                assert sorted(top[b, h].tolist()) == sorted(sorted(range(S), key=lambda i: (-row[i], i))[:k])

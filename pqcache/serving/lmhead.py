@@ -102,7 +102,8 @@ class ExactArgmaxHead(nn.Module):
         xb, xq, spill = acts
         q, scale, slack = self.q, self.scale, self.slack
         if rows is not None:
-            q, scale, slack = q.index_select(0, rows), scale.index_select(0, rows), slack.index_select(1, rows)
+            # embedding's row gather: 0.36 against 0.48 ms for index_select on 4,000 cold int8 rows here (ad hoc)
+            q, scale, slack = F.embedding(rows, q), scale.index_select(0, rows), slack.index_select(1, rows)
         score = torch.ops.aten._weight_int8pack_mm(xb, q, scale).float()
         coef = torch.cat([xq.norm(dim=-1, keepdim=True), spill], 1)  # (N, 2)
         return score, (coef @ slack).add_(score.abs(), alpha=OUTPUT_ROUNDING)

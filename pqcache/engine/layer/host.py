@@ -11,6 +11,7 @@ shared by the batch.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 class HostTier:
@@ -147,4 +148,5 @@ def _grow(flags: torch.Tensor, cap: int, n: int) -> torch.Tensor:
 def _take(store: torch.Tensor, bh: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """(B, H, cap, D) storage, flat (row * H + head) and positions (n,) -> (n, D)."""
     D, cap = store.shape[3], store.shape[2]
-    return store.view(-1, D).index_select(0, bh * cap + pos)
+    # embedding's row gather: 15-40% faster than index_select here (6.5K rows of 32K, cold and warm; ad hoc)
+    return F.embedding(bh * cap + pos, store.view(-1, D))

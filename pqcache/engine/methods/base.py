@@ -119,24 +119,41 @@ def topk_positions(scores: torch.Tensor, ks: list[int], k_max: int):
     """
     B, H, S = scores.shape
     ks = [min(k, k_max) for k in ks]  # a budget larger than the context picks what there is
-    kt = torch.tensor(ks, device=scores.device).view(B, 1, 1)
     even = min(ks) == k_max
     vals, top = scores.topk(k_max, dim=-1, sorted=not even)
     if even:
         thresh = vals.min(-1, keepdim=True).values
+        tied = scores == thresh
+        if B * H == 1:  # a decode step's one row and KV head
+            return _earliest_ties(top, vals, thresh, tied)
         in_rank = torch.ones_like(vals, dtype=torch.bool)
+        tied_in = (vals == thresh).sum(-1)
     else:
+        kt = torch.tensor(ks, device=scores.device).view(B, 1, 1)
         thresh = vals.gather(-1, (kt - 1).clamp(min=0).expand(B, H, 1))
+        tied = scores == thresh
         in_rank = torch.arange(k_max, device=scores.device).view(1, 1, -1) < kt
-    tied_all = (scores == thresh).sum(-1)
-    tied_in = ((vals == thresh) & in_rank).sum(-1)
-    if not bool((tied_all > tied_in).any()):
+        tied_in = ((vals == thresh) & in_rank).sum(-1)
+    if not bool((tied.sum(-1) > tied_in).any()):
         return top, in_rank
     strict = scores > thresh
-    ties = scores == thresh
-    need = kt.view(B, 1) - strict.sum(-1)  # (B, H)
-    chosen = strict | (ties & (ties.cumsum(-1) <= need[..., None]))
+    need = torch.tensor(ks, device=scores.device).view(B, 1) - strict.sum(-1)  # (B, H)
+    chosen = strict | (tied & (tied.cumsum(-1) <= need[..., None]))
     return positions_of(chosen)
+
+
+def _earliest_ties(top: torch.Tensor, vals: torch.Tensor, thresh: torch.Tensor, tied: torch.Tensor):
+    """topk_positions' rule for one row (1, 1, k) whose top-k took all k, in fewer operators than the general pass:
+    when positions at the k-th score were left out, the picks above it, then the earliest positions at it (the set
+    the general pass's mask chooses, in that order instead of by position)."""
+    k = top.shape[-1]
+    above = vals > thresh  # (1, 1, k)
+    n_above = above.sum()
+    if int(tied.sum() + n_above) == k:  # every position at the k-th score is in the top-k: unambiguous
+        return top, torch.ones_like(top, dtype=torch.bool)
+    earliest = tied.view(-1).nonzero().squeeze(1)[: k - int(n_above)]  # in position order
+    picks = torch.cat([top.masked_select(above), earliest]).view(1, 1, k)
+    return picks, torch.ones_like(picks, dtype=torch.bool)
 
 
 def positions_of(chosen: torch.Tensor):
