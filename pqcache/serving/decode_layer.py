@@ -9,7 +9,8 @@ embedding as one roll and two products. Every value is computed by the same arit
 transformers' Gemma3DecoderLayer with decode_weights.py's linears, so the output is bit-identical
 (tests/test_decode_layer.py), and the cache and the attention function (PQCache's, SDPA) are called exactly as
 the model calls them. Forwards of more rows (prefill chunks, a question), other devices and dtypes, and layers
-without the quantized copies run the model's own forward.
+without the quantized copies run the model's own forward. `step` is the same forward for one real token of one
+row, called by decode_step.py with the layer's cache and attention reached directly.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
 
+from pqcache.engine.layer.layer import PQLayer
 from pqcache.serving.decode_weights import DecodeLinear
 
 LAYER_CLASSES = ("Gemma3DecoderLayer",)  # the layers whose forward this file reproduces
+ONE_REAL = torch.ones((1, 1), dtype=torch.bool)  # a step's new token is a real one (PQLayer.attend's new_valid)
 
 
 def _norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.Tensor:
@@ -87,15 +90,11 @@ class FastDecodeLayer:
         self.steps += 1
         attn, Hq, Hk = self.attn, self.n_q, self.n_kv
         x = hidden_states.reshape(B * Q, E)
-        qkv = _mm(_norm(x, self.w_in, self.eps), self.qkv)  # (B*Q, (Hq + 2 Hk) * D)
-        D = qkv.shape[-1] // (Hq + 2 * Hk)
-        qkv = qkv.view(B, Q, Hq + 2 * Hk, D)
-        qk = _norm(qkv[:, :, : Hq + Hk], self.w_qk, self.eps)  # (B, Q, Hq + Hk, D)
-        cos, sin = position_embeddings  # (B, Q, D)
-        qk = qk * cos[:, :, None] + torch.roll(qk, D // 2, -1) * self._signed_sin(sin)[:, :, None]
-        query = qk[:, :, :Hq].transpose(1, 2)  # (B, Hq, Q, D)
-        key = qk[:, :, Hq:].transpose(1, 2)  # (B, Hk, Q, D)
-        value = qkv[:, :, Hq + Hk :].transpose(1, 2)
+        qk, qkv = self._qkv(x, position_embeddings)  # (B*Q, Hq + Hk, D), (B*Q, Hq + 2 Hk, D)
+        D = qk.shape[-1]
+        query = qk[:, :Hq].view(B, Q, Hq, D).transpose(1, 2)  # (B, Hq, Q, D)
+        key = qk[:, Hq:].view(B, Q, Hk, D).transpose(1, 2)  # (B, Hk, Q, D)
+        value = qkv[:, Hq + Hk :].view(B, Q, Hk, D).transpose(1, 2)
         attn_kwargs = {"position_ids": position_ids, **kwargs}  # what Gemma3Attention receives as **kwargs
         if cache is not None:
             key, value = cache.update(key, value, attn.layer_idx, kwargs=attn_kwargs)
@@ -111,12 +110,45 @@ class FastDecodeLayer:
             sliding_window=attn.sliding_window,
             **attn_kwargs,
         )  # (B, Q, Hq, D)
-        out = _mm(out.reshape(B * Q, Hq * D), self.o)
-        x = x + _norm(out, self.w_post_attn, self.eps)
-        gate_up = _mm(_norm(x, self.w_pre_ff, self.eps), self.gate_up)  # (B*Q, 2 I)
+        return self._mlp(x, out.reshape(B * Q, Hq * D)).view(B, Q, E)
+
+    def step(self, x: torch.Tensor, position_embeddings, cache_layer) -> torch.Tensor:
+        """x (1, E): one real token of one row -> (1, E), the arithmetic of __call__ with the layer's cache and
+        attention reached directly (decode_step.py): cache_layer is this layer's PQLayer (its attend, as PQCache's
+        attention function calls it) or a layer returning the keys the token attends to, all of them (a sliding
+        window's, with SDPA called as transformers calls it for one query row: the query heads packed by KV head).
+        A single real token's masks are all ones, so none is passed (SDPA's output is the same with and without)."""
+        self.steps += 1
+        attn, Hq, Hk = self.attn, self.n_q, self.n_kv
+        qk, qkv = self._qkv(x, position_embeddings)
+        D = qk.shape[-1]
+        key, value = qk[0, Hq:].view(1, Hk, 1, D), qkv[0, Hq + Hk :].view(1, Hk, 1, D)
+        if isinstance(cache_layer, PQLayer):
+            cache_layer.update(key, value)
+            out = cache_layer.attend(qk[0, :Hq].view(1, Hq, 1, D), ONE_REAL, attn.scaling)  # (1, 1, Hq, D)
+        else:
+            key, value = cache_layer.update(key, value)  # (1, Hk, n, D)
+            query = qk[0, :Hq].view(1, Hk, Hq // Hk, D)
+            out = F.scaled_dot_product_attention(query, key, value, scale=attn.scaling)  # (1, Hk, G, D)
+        return self._mlp(x, out.reshape(1, Hq * D))
+
+    def _qkv(self, x: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (R, E) -> the normed, rotated query and key heads (R, Hq + Hk, D) and all heads (R, Hq + 2 Hk, D)."""
+        Hq, Hk = self.n_q, self.n_kv
+        qkv = _mm(_norm(x, self.w_in, self.eps), self.qkv)  # (R, (Hq + 2 Hk) * D)
+        R, D = len(x), qkv.shape[-1] // (Hq + 2 * Hk)
+        qkv = qkv.view(R, Hq + 2 * Hk, D)
+        qk = _norm(qkv[:, : Hq + Hk], self.w_qk, self.eps)
+        cos, sin = position_embeddings  # (B, Q, D), B * Q = R
+        sin = self._signed_sin(sin)
+        return qk * cos.reshape(R, 1, D) + torch.roll(qk, D // 2, -1) * sin.reshape(R, 1, D), qkv
+
+    def _mlp(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x (R, E), the attention's output out (R, Hq * D) -> the layer's output (R, E)."""
+        x = x + _norm(_mm(out, self.o), self.w_post_attn, self.eps)
+        gate_up = _mm(_norm(x, self.w_pre_ff, self.eps), self.gate_up)  # (R, 2 I)
         h = F.gelu(gate_up[:, : self.I], approximate="tanh") * gate_up[:, self.I :]
-        x = x + _norm(_mm(h, self.down), self.w_post_ff, self.eps)
-        return x.view(B, Q, E)
+        return x + _norm(_mm(h, self.down), self.w_post_ff, self.eps)
 
     def bind(self):
         """Read the layer's quantized copies (again, after they were swapped)."""
@@ -163,13 +195,19 @@ def fast_decode_ready(layer) -> bool:
 
 
 def install_fast_decode(model) -> int:
-    """Give every ready decoder layer (fast_decode_ready) the short decode forward; returns how many."""
+    """Give every ready decoder layer (fast_decode_ready) the short decode forward, and a Gemma3ForCausalLM whose
+    layers all have it the one-row decode step around them (decode_step.py, `model.fast_decode_step`); returns
+    how many layers were given it."""
     from pqcache.engine.cache import decoder_layers
+    from pqcache.serving.decode_step import FastDecodeStep
 
     memo: dict = {}
     installed = 0
-    for _, layer in decoder_layers(model):
+    layers = [layer for _, layer in decoder_layers(model)]
+    for layer in layers:
         if fast_decode_ready(layer) and not isinstance(layer.forward, FastDecodeLayer):
             layer.forward = FastDecodeLayer(layer, memo)
             installed += 1
+    if type(model).__name__ == "Gemma3ForCausalLM" and all(isinstance(x.forward, FastDecodeLayer) for x in layers):
+        model.fast_decode_step = FastDecodeStep(model)
     return installed

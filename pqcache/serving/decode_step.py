@@ -1,0 +1,72 @@
+"""A decode step of one row and one token without the model's forward around the layers (Gemma 3, CPU).
+
+For each token, transformers' Gemma3TextModel.forward builds two attention masks (all ones for a single real
+token), goes through its decorators and output dataclasses, and each decoder layer reaches its cache and its
+attention through Cache.update and the attention interface (PQCache's function, then transformers' SDPA wrapper
+for the sliding-window layers): about 1.6 ms of an 8K step here that computes nothing (docs/benchmarks.md, ninth
+pass). This step calls the model's own modules and functions on the same tensors for everything that is
+arithmetic (the embedding, the rotary embeddings, the layers' short forward through FastDecodeLayer.step, the
+final norm, the LM head and its soft-capping), so its logits are bit-identical to the model's
+(tests/test_decode_layer.py). It runs where the cache is a PQCache with nothing observing it; anything else
+(a batch, a question's several tokens, full attention's DynamicCache, an observer or hooks, other models) takes
+the model's forward.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pqcache.engine.cache import ATTN_NAME, PQCache
+from pqcache.engine.layer.layer import PQLayer
+from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
+from pqcache.serving.decode_layer import FastDecodeLayer
+
+
+class FastDecodeStep:
+    """Installed as `model.fast_decode_step` by install_fast_decode; generate.decode_one_token calls it when ready."""
+
+    def __init__(self, model):
+        self.model, self.text = model, model.model  # Gemma3ForCausalLM, its Gemma3TextModel
+        config = self.text.config
+        self.layer_types = config.layer_types[: config.num_hidden_layers]
+        self.softcap = model.config.final_logit_softcapping
+        self.steps = 0  # steps that took this path
+
+    def ready(self, token: torch.Tensor, cache) -> bool:
+        """Whether the step for `token` (B, 1) with `cache` can take this path."""
+        text = self.text
+        if token.shape != (1, 1) or token.device.type != "cpu" or not isinstance(cache, PQCache):
+            return False
+        if cache.observer is not None or text.config._attn_implementation != ATTN_NAME:
+            return False
+        if text.embed_tokens.weight.dtype != torch.float32 or text.config.use_bidirectional_attention:
+            return False
+        layers = text.layers[: len(self.layer_types)]
+        if any(_hooked(m) for m in (self.model, text, *layers)):
+            return False
+        if not all(isinstance(layer.forward, FastDecodeLayer) for layer in layers):
+            return False
+        return all(
+            (isinstance(c, PQLayer) and c.prefilled) or (isinstance(c, AppendSlidingWindowLayer) and c.is_initialized)
+            for c in cache.layers
+        )
+
+    def __call__(self, token: torch.Tensor, cache: PQCache) -> torch.Tensor:
+        """token (1, 1) -> next-token logits (1, V)."""
+        text = self.text
+        hidden = text.embed_tokens(token)  # (1, 1, E)
+        position_ids = torch.tensor([[cache.get_seq_length()]], device=token.device)  # as the model counts it
+        rotary = {kind: text.rotary_emb(hidden, position_ids, kind) for kind in set(self.layer_types)}
+        x = hidden.view(1, -1)  # (1, E)
+        for layer, kind in zip(text.layers, self.layer_types):
+            fast = layer.forward
+            x = fast.step(x, rotary[kind], cache.layers[fast.attn.layer_idx])
+        logits = self.model.lm_head(text.norm(x.view(1, 1, -1)))  # (1, 1, V)
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        self.steps += 1
+        return logits[:, -1]
+
+
+def _hooked(module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks)
