@@ -29,18 +29,19 @@ COMMON = dict(
 )
 
 
-def tiny_model(arch: str, seed: int = 0):
-    """A random-weight causal LM built in-process (no download)."""
+def tiny_model(arch: str, seed: int = 0, **overrides):
+    """A random-weight causal LM built in-process (no download); overrides: config fields other than COMMON's."""
     torch.manual_seed(seed)
+    common = {**COMMON, **overrides}
     if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**COMMON))
+        model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=None))
+        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
     elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**COMMON, use_sliding_window=False))
+        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
     elif arch == "gemma3":
         cfg = Gemma3TextConfig(
-            **COMMON,
+            **common,
             sliding_window=24,
             query_pre_attn_scalar=16,
             layer_types=["sliding_attention", "full_attention", "sliding_attention"],

@@ -19,9 +19,9 @@ FULL_BUDGET = PQCacheConfig(token_budget=1.0, n_init=4, n_local=8, kmeans_iters=
 SMALL_BUDGET = PQCacheConfig(token_budget=0.2, n_init=4, n_local=8, kmeans_iters=5, bits=4)
 
 
-def _gemma3(seed: int = 0):
+def _gemma3(seed: int = 0, kv_heads: int | None = None):
     """The tiny Gemma 3 with random norm weights (they start at zero: 1 + w would be 1 and hide a mixed-up norm)."""
-    model = tiny_model("gemma3", seed=seed)
+    model = tiny_model("gemma3", seed=seed, **({} if kv_heads is None else {"num_key_value_heads": kv_heads}))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -64,37 +64,43 @@ def test_fast_decode_layer_is_bit_identical_to_the_models_forward(make_cache, ki
         assert install_fast_decode(model) == 0  # installed once
         got = _decode(model, make_cache(model), ids)
     assert _fast_steps(model) == 8 * len(model.model.layers)  # every decode step, no prefill chunk
-    # PQCache's steps skip the model's forward around the layers (decode_step.py); full attention's do not
-    assert model.fast_decode_step.steps == (8 if isinstance(make_cache(model), PQCache) else 0)
+    assert model.fast_decode_step.steps == 8  # without the model's forward around the layers (decode_step.py)
     assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("prompt_tokens", [10, 23, 24, 70])
-def test_one_row_decode_step_is_bit_identical_to_the_models_forward(prompt_tokens):
+@pytest.mark.parametrize("kv_heads", [2, 4])
+def test_one_row_decode_step_is_bit_identical_to_the_models_forward(prompt_tokens, kv_heads):
     """The step without the model's forward (decode_step.py) against the layers' short forward inside the model's
     forward: the same logits from contexts shorter than the sliding window (24 tokens: its mask, which the step
-    does not pass, is all ones either way) to longer ones, at full and small budgets; with an observer
-    attached (the app's live panels) the model's forward runs, with the same logits again."""
-    model = _gemma3(seed=2)
+    does not pass, is all ones either way) to longer ones, with grouped query heads and without, for full
+    attention and PQCache at full and small budgets; with an observer attached (the app's live panels) the
+    model's forward runs, with the same logits again."""
+    model = _gemma3(seed=2, kv_heads=kv_heads)
     install_decode_weights(model)
     install_fast_decode(model)
     step = model.fast_decode_step
     ids = torch.randint(1, 96, (1, prompt_tokens), generator=torch.Generator().manual_seed(prompt_tokens))
-    for config in (FULL_BUDGET, SMALL_BUDGET):
+    for make_cache in (
+        lambda: DynamicCache(config=model.config),
+        lambda: PQCache(model, FULL_BUDGET),
+        lambda: PQCache(model, SMALL_BUDGET),
+    ):
         with torch.no_grad():
             model.fast_decode_step = None
-            ref = _decode(model, PQCache(model, config), ids)
+            ref = _decode(model, make_cache(), ids)
             model.fast_decode_step = step
             before = step.steps
-            got = _decode(model, PQCache(model, config), ids)
+            got = _decode(model, make_cache(), ids)
             assert step.steps == before + 8
-            watched = PQCache(model, config)
-            watched.instrument(timeline=True)
-            observed = _decode(model, watched, ids)
-            assert step.steps == before + 8 and watched.observer.events  # the model's forward, with its hooks
-            watched.close()  # detaches the hooks: the next cache's steps take the short path again
-        assert torch.equal(got, ref), config
-        assert torch.equal(observed, ref), config
+            watched = make_cache()
+            if isinstance(watched, PQCache):
+                watched.instrument(timeline=True)
+                observed = _decode(model, watched, ids)
+                assert step.steps == before + 8 and watched.observer.events  # the model's forward, with its hooks
+                watched.close()  # detaches the hooks: the next cache's steps take the short path again
+                assert torch.equal(observed, ref)
+        assert torch.equal(got, ref)
 
 
 def test_fast_decode_layer_keeps_pqcache_at_full_budget_equal_to_full_attention():

@@ -116,8 +116,7 @@ class FastDecodeLayer:
         """x (1, E): one real token of one row -> (1, E), the arithmetic of __call__ with the layer's cache and
         attention reached directly (decode_step.py): cache_layer is this layer's PQLayer (its attend, as PQCache's
         attention function calls it) or a layer returning the keys the token attends to, all of them (a sliding
-        window's, with SDPA called as transformers calls it for one query row: the query heads packed by KV head).
-        A single real token's masks are all ones, so none is passed (SDPA's output is the same with and without)."""
+        window's, a full-attention layer's of a DynamicCache), with SDPA called as transformers calls it."""
         self.steps += 1
         attn, Hq, Hk = self.attn, self.n_q, self.n_kv
         qk, qkv = self._qkv(x, position_embeddings)
@@ -128,8 +127,7 @@ class FastDecodeLayer:
             out = cache_layer.attend(qk[0, :Hq].view(1, Hq, 1, D), ONE_REAL, attn.scaling)  # (1, 1, Hq, D)
         else:
             key, value = cache_layer.update(key, value)  # (1, Hk, n, D)
-            query = qk[0, :Hq].view(1, Hk, Hq // Hk, D)
-            out = F.scaled_dot_product_attention(query, key, value, scale=attn.scaling)  # (1, Hk, G, D)
+            out = _sdpa_one_row(qk[0, :Hq], key, value, attn.scaling, masked=attn.sliding_window is not None)
         return self._mlp(x, out.reshape(1, Hq * D))
 
     def _qkv(self, x: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -167,6 +165,20 @@ class FastDecodeLayer:
                 self.rotary_memo.clear()
             self.rotary_memo[id(sin)] = memo
         return memo[1]
+
+
+def _sdpa_one_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, masked: bool):
+    """query (Hq, D) of one real token, key, value (1, Hk, n, D) -> attention output (1, Hq, D) as transformers'
+    sdpa_attention_forward computes it for one query row. That row's mask is all ones: the sliding-window layers get
+    it as a tensor (masked=True; SDPA's output is the same without it), the full-attention layers get none, and
+    that decides how grouped query heads are passed: with a mask (or a head size over 256), packed by KV head;
+    without, as heads with enable_gqa."""
+    Hq, D = query.shape
+    Hk = key.shape[1]
+    if Hq != Hk and not masked and D <= 256:  # transformers' use_gqa_in_sdpa on a CPU
+        return F.scaled_dot_product_attention(query.view(1, Hq, 1, D), key, value, scale=scaling, enable_gqa=True)
+    # pack_gqa (nothing to pack when Hq == Hk): (1, Hk, Hq / Hk, D), the heads in order
+    return F.scaled_dot_product_attention(query.view(1, Hk, Hq // Hk, D), key, value, scale=scaling)
 
 
 def _is_torch_tanh_gelu(act_fn) -> bool:

@@ -7,19 +7,24 @@ for the sliding-window layers): about 1.6 ms of an 8K step here that computes no
 pass). This step calls the model's own modules and functions on the same tensors for everything that is
 arithmetic (the embedding, the rotary embeddings, the layers' short forward through FastDecodeLayer.step, the
 final norm, the LM head and its soft-capping), so its logits are bit-identical to the model's
-(tests/test_decode_layer.py). It runs where the cache is a PQCache with nothing observing it; anything else
-(a batch, a question's several tokens, full attention's DynamicCache, an observer or hooks, other models) takes
-the model's forward.
+(tests/test_decode_layer.py). It runs where the cache is a PQCache with nothing observing it or full attention's
+DynamicCache; anything else (a batch, a question's several tokens, an observer or hooks, other caches and models)
+takes the model's forward.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pqcache.engine.cache import ATTN_NAME, PQCache
 from pqcache.engine.layer.layer import PQLayer
 from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 from pqcache.serving.decode_layer import FastDecodeLayer
+
+# cache layers whose update returns every key the new token attends to (PQCache's sliding windows, a DynamicCache's)
+PLAIN_LAYERS = (AppendSlidingWindowLayer, DynamicSlidingWindowLayer, DynamicLayer)
 
 
 class FastDecodeStep:
@@ -35,9 +40,9 @@ class FastDecodeStep:
     def ready(self, token: torch.Tensor, cache) -> bool:
         """Whether the step for `token` (B, 1) with `cache` can take this path."""
         text = self.text
-        if token.shape != (1, 1) or token.device.type != "cpu" or not isinstance(cache, PQCache):
+        if token.shape != (1, 1) or token.device.type != "cpu" or not isinstance(cache, (PQCache, DynamicCache)):
             return False
-        if cache.observer is not None or text.config._attn_implementation != ATTN_NAME:
+        if getattr(cache, "observer", None) is not None or text.config._attn_implementation not in (ATTN_NAME, "sdpa"):
             return False
         if text.embed_tokens.weight.dtype != torch.float32 or text.config.use_bidirectional_attention:
             return False
@@ -47,7 +52,7 @@ class FastDecodeStep:
         if not all(isinstance(layer.forward, FastDecodeLayer) for layer in layers):
             return False
         return all(
-            (isinstance(c, PQLayer) and c.prefilled) or (isinstance(c, AppendSlidingWindowLayer) and c.is_initialized)
+            (isinstance(c, PQLayer) and c.prefilled) or (type(c) in PLAIN_LAYERS and c.is_initialized)
             for c in cache.layers
         )
 
