@@ -34,6 +34,7 @@ class FastDecodeStep:
         self.model, self.text = model, model.model  # Gemma3ForCausalLM, its Gemma3TextModel
         config = self.text.config
         self.layer_types = config.layer_types[: config.num_hidden_layers]
+        self.layers = list(self.text.layers[: config.num_hidden_layers])  # the ones the model's forward runs
         self.softcap = model.config.final_logit_softcapping
         self.steps = 0  # steps that took this path
 
@@ -46,24 +47,23 @@ class FastDecodeStep:
             return False
         if text.embed_tokens.weight.dtype != torch.float32 or text.config.use_bidirectional_attention:
             return False
-        layers = text.layers[: len(self.layer_types)]
-        if any(_hooked(m) for m in (self.model, text, *layers)):
+        if any(_hooked(m) for m in (self.model, text, *self.layers)):
             return False
-        if not all(isinstance(layer.forward, FastDecodeLayer) for layer in layers):
+        if not all(isinstance(layer.forward, FastDecodeLayer) for layer in self.layers):
             return False
         return all(
             (isinstance(c, PQLayer) and c.prefilled) or (type(c) in PLAIN_LAYERS and c.is_initialized)
             for c in cache.layers
         )
 
-    def __call__(self, token: torch.Tensor, cache: PQCache) -> torch.Tensor:
+    def __call__(self, token: torch.Tensor, cache: PQCache | DynamicCache) -> torch.Tensor:
         """token (1, 1) -> next-token logits (1, V)."""
         text = self.text
         hidden = text.embed_tokens(token)  # (1, 1, E)
         position_ids = torch.tensor([[cache.get_seq_length()]], device=token.device)  # as the model counts it
         rotary = {kind: text.rotary_emb(hidden, position_ids, kind) for kind in set(self.layer_types)}
         x = hidden.view(1, -1)  # (1, E)
-        for layer, kind in zip(text.layers, self.layer_types):
+        for layer, kind in zip(self.layers, self.layer_types):
             fast = layer.forward
             x = fast.step(x, rotary[kind], cache.layers[fast.attn.layer_idx])
         logits = self.model.lm_head(text.norm(x.view(1, 1, -1)))  # (1, 1, V)
