@@ -395,3 +395,40 @@ def test_e2e_bench_cli_runs_each_runner_in_its_own_process(tiny_model_dir):
     rows = json.loads(out.stdout)["rows"]
     _well_formed(rows, [50], ["llama.cpp", "full"])  # llama.cpp: not installed, or no GGUF for this model
     assert rows[1]["settings"].startswith("float32, int8 decode weights")
+
+
+def test_bench_kernels_rows():
+    """`bench kernels`: the decode step's matrices as decode_weights.py stacks them, and one row per kernel with its
+    bytes, rate and one-thread time, the memory's streaming rate first (the rate the others are compared with)."""
+    from pqcache.tools.kernels import bench_kernels, decoder_shapes
+
+    bundled = Gemma3TextConfig(
+        hidden_size=640, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1, head_dim=256
+    )
+    assert decoder_shapes(bundled) == [(1536, 640), (640, 1024), (4096, 640), (640, 2048)]
+    config = Gemma3TextConfig(
+        hidden_size=128,
+        intermediate_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=32,
+        num_hidden_layers=3,
+        vocab_size=4000,
+    )
+    rows = bench_kernels(config, repeats=2, threads=2)
+    assert [(r["kernel"], r["weights"]) for r in rows] == [
+        ("memory", "float32 sum"),
+        ("decoder linears", "int8 rows"),
+        ("decoder linears", "int4 groups"),
+        ("LM head", "int4 groups"),
+        ("LM head", "int8 rows"),
+    ]
+    by = {(r["kernel"], r["weights"]): r for r in rows}
+    int8_mb = 3 * sum(n * k + 2 * n for n, k in decoder_shapes(config)) / 2**20  # int8 weights, bf16 row scales
+    assert by["decoder linears", "int8 rows"]["mb"] == by["memory", "float32 sum"]["mb"] == round(int8_mb, 1)
+    assert by["decoder linears", "int4 groups"]["mb"] < 0.7 * int8_mb
+    assert by["LM head", "int4 groups"]["mb"] < by["LM head", "int8 rows"]["mb"]
+    assert by["memory", "float32 sum"]["of_stream"] == 1.0
+    for r in rows:
+        assert r["threads"] == 2  # the times are this machine's, noisy: their values are not asserted
+        assert all(r[key] >= 0 for key in ("ms", "ms_1_thread", "gb_s", "thread_speedup", "of_stream"))

@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("which", choices=["attention", "decode", "ttft", "memory", "blockcache", "e2e"])
+    b.add_argument("which", choices=["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels"])
     b.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=None)
     b.add_argument("--repeats", type=int, default=None)
     b.add_argument("--shapes", choices=["llama", "gemma"], default="llama", help="decode: head shapes")
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--device", default="auto")
     add_dtype_flags(b)
     b.add_argument("--decode-tokens", type=int, default=32, help="e2e: greedy tokens decoded per run")
-    b.add_argument("--threads", type=int, default=None, help="e2e: threads of every runner (default: the cores)")
+    b.add_argument("--threads", type=int, default=None, help="e2e, kernels: threads (default: the cores)")
     b.add_argument("--n-batch", type=int, default=None, help="e2e: llama.cpp's n_batch (= n_ubatch)")
     b.add_argument("--chunk-tokens", type=int, default=None, help="e2e: prefill chunk (default: generate's)")
     b.add_argument("--gguf", default=None, help="e2e: llama.cpp's GGUF (default: the bundled model's)")
@@ -261,6 +261,7 @@ TITLES = {
     "ttft": "time to first token (prefill, then until every layer's PQ is built), bundled model",
     "memory": "device-tier KV bytes, PQCache against full attention",
     "blockcache": "device block-cache hit rate of the retrieved tokens over a generation",
+    "kernels": "weight-only kernels of one decode step (bundled model's shapes) against the memory's streaming rate",
 }
 
 
@@ -298,6 +299,10 @@ def cmd_bench(args) -> int:
     elif args.which == "memory":
         kw.pop("repeats", None)
         rows = bench.bench_memory(**kw)
+    elif args.which == "kernels":
+        from pqcache.tools.kernels import bench_kernels
+
+        rows = bench_kernels(bench._config_for("gemma3-270m")[0], repeats=args.repeats or 10, threads=args.threads)
     else:
         from pqcache.serving.loading import load_model
 

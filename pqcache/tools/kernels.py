@@ -1,0 +1,114 @@
+"""`bench kernels`: how fast torch's weight-only CPU kernels read a decode step's weights, against the memory.
+
+A one-row decode step reads every decoder weight and the LM head once. If the kernels ran at the rate the memory
+streams, the step's weight time would be bytes / bandwidth; this benchmark measures, in one run on the machine it
+runs on, that streaming rate (a float32 sum over a buffer as large as the int8 decoder copies) and each kernel's
+effective rate on the bundled model's shapes: the decoder linears of every layer as decode_weights.py stacks them
+(q/k/v and gate/up one matrix each), cycled so that each call finds its weights out of the caches as a decode step
+does, and the LM head. `of_stream` is a kernel's rate over the stream's on as many threads: 1 would mean the
+memory sets the pace (only fewer bytes would gain), well below 1 that the kernel's arithmetic does (a kernel that
+streamed its bytes would take of_stream of the time). `thread_speedup` (its time on one thread over its time on all)
+says the same from another side when compared with the stream's own: one core alone does not saturate the memory.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pqcache.serving.quantize import GROUP, Int4Groups, Int8Rows, int4_kernel_takes, quantize_int4
+
+
+def decoder_shapes(config) -> list[tuple[int, int]]:
+    """(rows, columns) of one decoder layer's matrices as a decode step multiplies them (siblings stacked)."""
+    E, inter = config.hidden_size, config.intermediate_size
+    D = getattr(config, "head_dim", None) or E // config.num_attention_heads
+    q, kv = config.num_attention_heads * D, config.num_key_value_heads * D
+    return [(q + 2 * kv, E), (E, q), (2 * inter, E), (E, inter)]
+
+
+def _ms(fn, repeats: int) -> float:
+    fn()  # first call: allocations
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def _timed(fn, repeats: int, threads: int) -> tuple[float, float]:
+    """(ms on `threads` threads, ms on one)."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        many = _ms(fn, repeats)
+        torch.set_num_threads(1)
+        return many, _ms(fn, repeats)
+    finally:
+        torch.set_num_threads(before)
+
+
+def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: bool = True) -> list[dict]:
+    """config: a decoder config (hidden_size, intermediate_size, heads, num_hidden_layers, vocab_size). Random
+    weights of its shapes (the kernels' speed does not depend on the values) -> one row per kernel."""
+    threads = threads or torch.get_num_threads()
+    g = torch.Generator().manual_seed(0)
+    shapes = decoder_shapes(config)
+    layers = [[torch.randn(n, k, generator=g) * 0.05 for n, k in shapes] for _ in range(config.num_hidden_layers)]
+    acts = {k: torch.randn(1, k, generator=g).to(torch.bfloat16) for _, k in shapes}
+    kinds = {"int8 rows": Int8Rows}
+    if all(int4_kernel_takes(k) for _, k in shapes):
+        kinds["int4 groups"] = Int4Groups
+    # (copy, its input width) for every matrix of every layer, by kind
+    copies = {name: [(kind(w), w.shape[1]) for layer in layers for w in layer] for name, kind in kinds.items()}
+    del layers
+    int8_bytes = sum(m.nbytes for m, _ in copies["int8 rows"])
+    stream = torch.rand(int8_bytes // 4, generator=g)  # float32, as many bytes as the int8 copies
+
+    def run(mats):
+        def step():  # every layer in turn: each matrix is out of the caches when its turn comes, as in a decode step
+            for m, k in mats:
+                m.mm(acts[k])
+
+        return step
+
+    cases = [("memory", "float32 sum", stream.numel() * 4, stream.sum)]
+    cases += [("decoder linears", name, sum(m.nbytes for m, _ in mats), run(mats)) for name, mats in copies.items()]
+    if head and int4_kernel_takes(config.hidden_size):
+        V, E = config.vocab_size, config.hidden_size
+        w = torch.randn(V, E, generator=g) * 0.05
+        h = torch.randn(1, E, generator=g).to(torch.bfloat16)
+        packed, sz, _ = quantize_int4(F.pad(w, (0, 0, 0, -V % 64)))
+        q8 = Int8Rows(w)
+        del w
+
+        def head4():
+            torch.ops.aten._weight_int4pack_mm_for_cpu(h, packed, GROUP, sz)
+
+        cases += [
+            ("LM head", "int4 groups", packed.numel() + 2 * sz.numel(), head4),
+            ("LM head", "int8 rows", q8.nbytes, lambda: q8.mm(h)),
+        ]
+    rows = []
+    for what, weights, nbytes, fn in cases:
+        many, one = _timed(fn, repeats, threads)
+        rows.append(
+            {
+                "kernel": what,
+                "weights": weights,
+                "mb": round(nbytes / 2**20, 1),
+                "ms": round(many, 2),
+                "gb_s": round(nbytes / many / 1e6, 1),
+                "threads": threads,
+                "ms_1_thread": round(one, 2),
+                "thread_speedup": round(one / many, 2),
+            }
+        )
+    rate = rows[0]["gb_s"]
+    for row in rows:
+        row["of_stream"] = round(row["gb_s"] / rate, 2)
+    return rows
