@@ -13,13 +13,11 @@ says the same from another side when compared with the stream's own: one core al
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 import torch.nn.functional as F
 
 from pqcache.serving.quantize import GROUP, Int4Groups, Int8Rows, int4_kernel_takes, quantize_int4
+from pqcache.tools.bench import _median_ms
 
 
 def decoder_shapes(config) -> list[tuple[int, int]]:
@@ -32,12 +30,7 @@ def decoder_shapes(config) -> list[tuple[int, int]]:
 
 def _ms(fn, repeats: int) -> float:
     fn()  # first call: allocations
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return _median_ms(fn, repeats)
 
 
 def _timed(fn, repeats: int, threads: int) -> tuple[float, float]:
