@@ -7,6 +7,7 @@ python scripts/decode_probe.py ab --seq-len 4096 --what fused          # stacked
 python scripts/decode_probe.py ab --seq-len 8192 --what layer          # the short decode forward vs transformers'
 python scripts/decode_probe.py ab --seq-len 8192 --what int4           # int8 vs int4 decode weights
 python scripts/decode_probe.py ab --seq-len 8192 --what int8           # auto decode weights vs int8 everywhere
+python scripts/decode_probe.py ab --seq-len 32768 --what native        # the native kernels vs torch's operators
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
 python scripts/decode_probe.py ab --seq-len 32768 --what budget        # default budget (1/10) vs 1/5 (two forks)
@@ -274,6 +275,19 @@ def settings(model, what: str, cache=None):
     if what == "layer":  # A: the short decode forward (decode_layer.py), B: transformers' layer forward
         return (lambda: layer_forward(True)), (lambda: layer_forward(False))
     linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
+    if what == "native":  # A: the native kernels (pqcache/native), B: torch's (int8 kernel, gathered re-rank keys)
+        from pqcache import native
+
+        library = native.library
+        held = [w for m in linears for w in (m.weights, m.group and m.group.weights) if w is not None]
+        copies = {id(w): (w, w.native) for w in held if getattr(w, "native", None) is not None}
+
+        def use(on: bool):
+            native.library = library if on else (lambda: None)
+            for w, kernel in copies.values():
+                w.native = kernel if on else None
+
+        return (lambda: use(True)), (lambda: use(False))
     if what in ("int4", "int8"):  # A: the copies the model was loaded with (int8, or auto), B: int4 / int8 copies
         holders = {id(h): h for m in linears for h in (m, m.group) if h is not None and h.weights is not None}
         other = {k: WEIGHT_KINDS[what][0](h.float_weight()) for k, h in holders.items()}
@@ -422,7 +436,7 @@ def main():
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument(
         "--what",
-        choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow", "int8"],
+        choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow", "int8", "native"],
         default="threads",
         help="ab: what A and B differ in",
     )

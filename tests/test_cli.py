@@ -113,10 +113,12 @@ def test_bench_kernels_json_on_the_bundled_models_shapes():
     proc = run_cli("bench", "kernels", "--repeats", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)["rows"]
-    assert [r["kernel"] for r in rows] == ["memory", "decoder linears", "decoder linears", "LM head", "LM head"]
+    kernels = ["memory", *["decoder linears"] * 3, "LM head", "LM head", *["re-rank scores"] * 2]
+    assert [r["kernel"] for r in rows] == kernels
+    assert rows[2]["weights"] == "int8 rows, native"
     # 18 layers of (q/k/v, o, gate/up, down) int8 rows with a bf16 scale each: 100,518,912 bytes; the head 262,144 x 640
     assert rows[0]["mb"] == rows[1]["mb"] == 95.9 and rows[0]["of_stream"] == 1.0
-    assert rows[4]["mb"] == round((262144 * 640 + 2 * 262144) / 2**20, 1)
+    assert rows[5]["mb"] == round((262144 * 640 + 2 * 262144) / 2**20, 1)
 
 
 def test_bench_ttft_and_blockcache_json_shape():

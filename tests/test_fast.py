@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
-from pqcache import PQCache, PQCacheConfig
+from pqcache import PQCache, PQCacheConfig, native
 from pqcache.serving import fast
 from pqcache.serving.decode_weights import DecodeLinear, FusedSiblings, install_decode_weights
 from pqcache.serving.generate import decode_n_tokens, make_cache, prefill
@@ -410,19 +410,29 @@ def test_bench_kernels_rows():
     overrides = dict(hidden_size=128, intermediate_size=256, num_key_value_heads=1, head_dim=32, vocab_size=4000)
     config = Gemma3TextConfig(**{**COMMON, **overrides})
     rows = bench_kernels(config, repeats=2, threads=2)
+    assert native.library() is not None  # a C compiler is part of the set-up (tests/test_native.py)
     assert [(r["kernel"], r["weights"]) for r in rows] == [
         ("memory", "float32 sum"),
         ("decoder linears", "int8 rows"),
+        ("decoder linears", "int8 rows, native"),
         ("decoder linears", "int4 groups"),
         ("LM head", "int4 groups"),
         ("LM head", "int8 rows"),
+        ("re-rank scores", "float32 keys, gathered"),
+        ("re-rank scores", "float32 keys, native"),
     ]
     by = {(r["kernel"], r["weights"]): r for r in rows}
     int8_mb = 3 * sum(n * k + 2 * n for n, k in decoder_shapes(config)) / 2**20  # int8 weights, bf16 row scales
     assert by["decoder linears", "int8 rows"]["mb"] == by["memory", "float32 sum"]["mb"] == round(int8_mb, 1)
+    native_mb = 3 * sum(n * k + 4 * n for n, k in decoder_shapes(config)) / 2**20  # float32 row scales
+    assert by["decoder linears", "int8 rows, native"]["mb"] == round(native_mb, 1)
     assert by["decoder linears", "int4 groups"]["mb"] < 0.7 * int8_mb
     assert by["LM head", "int4 groups"]["mb"] < by["LM head", "int8 rows"]["mb"]
     assert by["memory", "float32 sum"]["of_stream"] == 1.0
+    # 3 layers' first stages at 32K tokens with the defaults (4 x 1/10 of the context), keys of head_dim 32
+    rerank_mb = round(3 * int(4 * 0.1 * 32768) * 32 * 4 / 2**20, 1)
+    assert by["re-rank scores", "float32 keys, native"]["mb"] == by["re-rank scores", "float32 keys, gathered"]["mb"]
+    assert by["re-rank scores", "float32 keys, native"]["mb"] == rerank_mb
     for r in rows:
         assert r["threads"] == 2  # the times are this machine's, noisy: their values are not asserted
         assert all(r[key] >= 0 for key in ("ms", "ms_1_thread", "gb_s", "thread_speedup", "of_stream"))

@@ -40,7 +40,7 @@ def _norm(x: torch.Tensor, weight_plus_one: torch.Tensor, eps: float) -> torch.T
 
 def _mm(x: torch.Tensor, weights) -> torch.Tensor:
     """x (R, K) float -> (R, N) in x's dtype, as DecodeLinear computes it (weights: Int8Rows or Int4Groups)."""
-    return weights.mm(x.to(torch.bfloat16)).to(x.dtype)
+    return weights.mm(x).to(x.dtype)
 
 
 class FastDecodeLayer:
@@ -126,8 +126,12 @@ class FastDecodeLayer:
             cache_layer.update(key, value)
             out = cache_layer.attend(qk[0, :Hq].view(1, Hq, 1, D), ONE_REAL, attn.scaling)  # (1, 1, Hq, D)
         else:
+            # transformers materializes a sliding layer's mask only once the keys reach the window (masking_utils'
+            # _ignore_causal_mask_sdpa), measured before this token's update; the mask decides SDPA's form
+            window = attn.sliding_window
+            masked = window is not None and cache_layer.get_mask_sizes(1)[0] >= window
             key, value = cache_layer.update(key, value)  # (1, Hk, n, D)
-            out = _sdpa_one_row(qk[0, :Hq], key, value, attn.scaling, masked=attn.sliding_window is not None)
+            out = _sdpa_one_row(qk[0, :Hq], key, value, attn.scaling, masked=masked)
         return self._mlp(x, out.reshape(1, Hq * D))
 
     def _qkv(self, x: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
@@ -169,10 +173,10 @@ class FastDecodeLayer:
 
 def _sdpa_one_row(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, masked: bool):
     """query (Hq, D) of one real token, key, value (1, Hk, n, D) -> attention output (1, Hq, D) as transformers'
-    sdpa_attention_forward computes it for one query row. That row's mask is all ones: the sliding-window layers get
-    it as a tensor (masked=True; SDPA's output is the same without it), the full-attention layers get none, and
-    that decides how grouped query heads are passed: with a mask (or a head size over 256), packed by KV head;
-    without, as heads with enable_gqa."""
+    sdpa_attention_forward computes it for one query row. That row's mask is all ones: a sliding-window layer whose
+    keys reach the window gets it as a tensor (masked=True; SDPA's output is the same without it), the others get
+    none, and that decides how grouped query heads are passed: with a mask (or a head size over 256), packed by KV
+    head; without, as heads with enable_gqa (the two forms round differently)."""
     Hq, D = query.shape
     Hk = key.shape[1]
     if Hq != Hk and not masked and D <= 256:  # transformers' use_gqa_in_sdpa on a CPU

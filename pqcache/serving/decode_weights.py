@@ -58,9 +58,9 @@ class DecodeLinear(nn.Module):
         if rows > self.max_rows or x.device.type != "cpu":
             return self.linear(x)
         if self.group is not None:
-            y = self.group.output(x, rows)[:, self.cols]
+            y = self.group.output(x, rows)[:, self.cols].contiguous()  # its own tensor, not a view of the group's
         else:
-            y = self.weights.mm(x.reshape(rows, -1).to(torch.bfloat16))
+            y = self.weights.mm(x.reshape(rows, -1))
         y = y.to(x.dtype)
         if self.linear.bias is not None:
             y = y + self.linear.bias
@@ -94,7 +94,7 @@ class FusedSiblings:
         last = self.last
         if last is not None and last[0] is x and last[1] == x._version:
             return last[2]
-        y = self.weights.mm(x.reshape(rows, -1).to(torch.bfloat16))
+        y = self.weights.mm(x.reshape(rows, -1))
         self.last = (x, x._version, y)
         return y
 

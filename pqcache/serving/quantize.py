@@ -1,18 +1,23 @@
-"""Weight-only quantized copies that torch's own CPU kernels read: int8 rows and int4 groups.
+"""Weight-only quantized copies for decode steps: int8 rows and int4 groups.
 
-    Int8Rows    one bf16 scale per output row, round to nearest: w ~ q * scale       (_weight_int8pack_mm)
+    Int8Rows    one bf16 scale per output row, round to nearest: w ~ q * scale       (native.py, or
+                                                                                   _weight_int8pack_mm)
     Int4Groups  groups of 32 weights with a bf16 scale and zero, 16 levels each:
                 w ~ (q - 8) * scale + zero                                              (_weight_int4pack_mm_for_cpu)
 
-Both take bf16 activations and return bf16. A decode step reads every weight once, and on a CPU that read is
-memory-bound: 18 layers of the bundled model's decoder linears took 10 ms a step as int8 and 4 ms as int4 here
-(docs/benchmarks.md). Used by the decode linears (decode_weights.py) and the LM head (lmhead.py).
+Int8Rows multiplies with native.py's kernel where it built (x rounded to int16), with torch's otherwise (x
+rounded to bf16); Int4Groups with torch's (x rounded to bf16). Both return float32. A decode step reads every
+weight once: 18 layers of the bundled model's decoder linears took 10 ms a step as int8 through torch's kernel and
+4 ms as int4 here; the native int8 kernel reads them near the memory's streaming rate (docs/benchmarks.md, `bench
+kernels`). Used by the decode linears (decode_weights.py) and the LM head (lmhead.py).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from pqcache import native
 
 GROUP = 32  # int4 group size: the kernel takes 32..256; 32 keeps the error smallest
 PACK_ROWS = 16384  # rows quantized at a time (bounds the memory of quantizing the LM head), a multiple of 64
@@ -93,17 +98,24 @@ def is_four_bit(w: torch.Tensor, probe_groups: int = 256) -> bool:
 
 
 class Int8Rows:
-    def __init__(self, w: torch.Tensor):
-        """w (N, K) float, K a multiple of 16."""
+    def __init__(self, w: torch.Tensor, use_native: bool = True):
+        """w (N, K) float, K a multiple of 16. use_native: multiply with native.py's kernel when it built."""
         self.q, self.scale = quantize_rows(w)  # (N, K) int8, (N,) bf16
+        # the native kernel, with the same scales in float32 (it rounds x to int16, not bf16)
+        self.native = None
+        if use_native and native.library() is not None:
+            self.native = native.Int8Product(self.q, self.scale.float())
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x (R, K) bf16 -> (R, N) bf16."""
-        return torch.ops.aten._weight_int8pack_mm(x, self.q, self.scale)
+        """x (R, K) float -> (R, N) float32."""
+        if self.native is not None:
+            return self.native(x)
+        return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.q, self.scale).float()
 
     @property
     def nbytes(self) -> int:
-        return self.q.numel() + 2 * self.scale.numel()
+        """What a product reads: the int8 weights and the kernel's scales (bf16 for torch's, float32 native)."""
+        return self.q.numel() + (2 if self.native is None else 4) * self.scale.numel()
 
 
 class Int4Groups:
@@ -114,9 +126,9 @@ class Int4Groups:
         self.packed, self.scales_and_zeros, _ = quantize_int4(F.pad(w, (0, 0, 0, -self.N % ROW_BLOCK)), keep_grid=True)
 
     def mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x (R, K) bf16 -> (R, N) bf16."""
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, GROUP, self.scales_and_zeros)
-        return y if y.shape[1] == self.N else y[:, : self.N]
+        """x (R, K) float -> (R, N) float32 (x rounded to bf16)."""
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.packed, GROUP, self.scales_and_zeros)
+        return (y if y.shape[1] == self.N else y[:, : self.N]).float()
 
     @property
     def nbytes(self) -> int:

@@ -261,7 +261,7 @@ TITLES = {
     "ttft": "time to first token (prefill, then until every layer's PQ is built), bundled model",
     "memory": "device-tier KV bytes, PQCache against full attention",
     "blockcache": "device block-cache hit rate of the retrieved tokens over a generation",
-    "kernels": "weight-only kernels of one decode step (bundled model's shapes) against the memory's streaming rate",
+    "kernels": "the kernels of one decode step (bundled model's shapes), torch's and native, against the memory",
 }
 
 

@@ -1,21 +1,27 @@
-"""`bench kernels`: how fast torch's weight-only CPU kernels read a decode step's weights, against the memory.
+"""`bench kernels`: how fast the decode step's kernels (torch's and pqcache/native's) read their bytes, against the
+memory.
 
 A one-row decode step reads every decoder weight and the LM head once. If the kernels ran at the rate the memory
 streams, the step's weight time would be bytes / bandwidth; this benchmark measures, in one run on the machine it
 runs on, that streaming rate (a float32 sum over a buffer as large as the int8 decoder copies) and each kernel's
 effective rate on the bundled model's shapes: the decoder linears of every layer as decode_weights.py stacks them
 (q/k/v and gate/up one matrix each), cycled so that each call finds its weights out of the caches as a decode step
-does, and the LM head. `of_stream` is a kernel's rate over the stream's on as many threads: 1 would mean the
-memory sets the pace (only fewer bytes would gain), well below 1 that the kernel's arithmetic does (a kernel that
-streamed its bytes would take of_stream of the time). `thread_speedup` (its time on one thread over its time on all)
-says the same from another side when compared with the stream's own: one core alone does not saturate the memory.
+does, and the LM head; and the re-rank's exact scores of a 32K-token context (native.gather_dot against a
+gathered copy and a matmul). `of_stream` is a kernel's rate over the stream's on as many threads: 1 would mean the
+memory sets the pace (only fewer bytes would gain), well below 1 that the kernel's arithmetic or its access pattern
+does (a kernel that streamed its bytes would take of_stream of the time). `thread_speedup` (its time on one thread
+over its time on all) says the same from another side when compared with the stream's own: one core alone does not
+saturate the memory.
 """
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
+from pqcache import native
 from pqcache.serving.quantize import GROUP, Int4Groups, Int8Rows, int4_kernel_takes, quantize_int4
 from pqcache.tools.bench import _median_ms
 
@@ -52,8 +58,10 @@ def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: b
     g = torch.Generator().manual_seed(0)
     shapes = decoder_shapes(config)
     layers = [[torch.randn(n, k, generator=g) * 0.05 for n, k in shapes] for _ in range(config.num_hidden_layers)]
-    acts = {k: torch.randn(1, k, generator=g).to(torch.bfloat16) for _, k in shapes}
-    kinds = {"int8 rows": Int8Rows}
+    acts = {k: torch.randn(1, k, generator=g) for _, k in shapes}
+    kinds = {"int8 rows": functools.partial(Int8Rows, use_native=False)}
+    if native.library() is not None:
+        kinds["int8 rows, native"] = Int8Rows
     if all(int4_kernel_takes(k) for _, k in shapes):
         kinds["int4 groups"] = Int4Groups
     # (copy, its input width) for every matrix of every layer, by kind
@@ -74,18 +82,20 @@ def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: b
     if head and int4_kernel_takes(config.hidden_size):
         V, E = config.vocab_size, config.hidden_size
         w = torch.randn(V, E, generator=g) * 0.05
-        h = torch.randn(1, E, generator=g).to(torch.bfloat16)
+        h = torch.randn(1, E, generator=g)
         packed, sz, _ = quantize_int4(F.pad(w, (0, 0, 0, -V % 64)))
-        q8 = Int8Rows(w)
+        q8 = Int8Rows(w, use_native=False)
         del w
+        hb = h.to(torch.bfloat16)
 
         def head4():
-            torch.ops.aten._weight_int4pack_mm_for_cpu(h, packed, GROUP, sz)
+            torch.ops.aten._weight_int4pack_mm_for_cpu(hb, packed, GROUP, sz)
 
         cases += [
             ("LM head", "int4 groups", packed.numel() + 2 * sz.numel(), head4),
             ("LM head", "int8 rows", q8.nbytes, lambda: q8.mm(h)),
         ]
+    cases += rerank_cases(config, g)
     rows = []
     for what, weights, nbytes, fn in cases:
         many, one = _timed(fn, repeats, threads)
@@ -105,3 +115,33 @@ def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: b
     for row in rows:
         row["of_stream"] = round(row["gb_s"] / rate, 2)
     return rows
+
+
+def rerank_cases(config, g: torch.Generator, context: int = 32768, layers: int = 3) -> list[tuple]:
+    """The re-rank of a PQ layer's decode step at `context` tokens with PQCache's defaults: the exact scores of
+    rerank x budget first-stage candidates (sorted positions, as the first stage returns them) for a KV head's
+    group of query rows, in `layers` layers' key stores in turn (out of the caches, as in a step). Torch's way
+    (gather the keys, then a matmul) and, where it built, native.gather_dot."""
+    from pqcache.engine.config import PQCacheConfig
+
+    defaults = PQCacheConfig()
+    D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    group = config.num_attention_heads // config.num_key_value_heads
+    wide = int(defaults.rerank * defaults.token_budget * context)
+    stores = [torch.randn(context, D, generator=g) for _ in range(layers)]
+    picks = [torch.randperm(context, generator=g)[:wide].sort().values for _ in range(layers)]
+    q = torch.randn(group, D, generator=g)
+
+    def gathered():
+        for store, pos in zip(stores, picks):
+            F.embedding(pos, store) @ q.T
+
+    def in_place():
+        for store, pos in zip(stores, picks):
+            native.gather_dot(store, pos, q)
+
+    nbytes = layers * wide * D * 4
+    cases = [("re-rank scores", "float32 keys, gathered", nbytes, gathered)]
+    if native.library() is not None:
+        cases.append(("re-rank scores", "float32 keys, native", nbytes, in_place))
+    return cases

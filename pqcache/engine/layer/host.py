@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pqcache import native
+
 
 class HostTier:
     def __init__(self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device):
@@ -107,6 +109,29 @@ class HostTier:
             idx = part.nonzero().squeeze(1)
             if idx.numel():
                 out[idx] = _take(store, bh[idx], pos[idx] - offset)
+        return out
+
+    def key_scores(self, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
+        """pos (B, H, k) positions on the host, q (B, H, R, D) -> exact scores (B, H, k, R) = K[pos] . q, each key
+        read where it lies (native.gather_dot: no gathered copy), or None where that kernel is not there or the
+        keys are not float32 (the caller gathers and multiplies)."""
+        if self.dtype != torch.float32 or native.library() is None:
+            return None
+        self.sync()
+        B, H, k = pos.shape
+        out = torch.empty((B, H, k, q.shape[2]))
+        q = q.to(self.host, torch.float32)
+        for b in range(B):
+            for h in range(H):
+                p = pos[b, h]
+                if self.S0 == 0:
+                    out[b, h] = native.gather_dot(self.own_k[b, h], p, q[b, h])
+                    continue
+                old = p < self.S0
+                for part, store, offset in ((old, self.shared_k, 0), (~old, self.own_k, self.S0)):
+                    idx = part.nonzero().squeeze(1)
+                    if idx.numel():
+                        out[b, h, idx] = native.gather_dot(store[b, h], p[idx] - offset, q[b, h])
         return out
 
     def gather(self, pos: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:

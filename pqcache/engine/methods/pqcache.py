@@ -118,9 +118,11 @@ def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, 
     the picks' exact scores (B, H, k, R) on the device. With those scores the step needs only the picks'
     values: their keys are never fetched (half the bytes host to device). host: the layer's HostTier."""
     B, H, kw = top.shape
-    bh = torch.arange(B * H).view(B, H, 1).expand(B, H, kw).reshape(-1)
-    keys = host.key_rows(bh, top.to(host.host).reshape(-1))  # (B*H*k', D) on the host
-    exact = keys.view(B, H, kw, -1).float() @ q.to(host.host, torch.float32).transpose(-1, -2)  # (B, H, k', R)
+    exact = host.key_scores(top.to(host.host), q)  # (B, H, k', R), or None: gather the keys, then multiply
+    if exact is None:
+        bh = torch.arange(B * H).view(B, H, 1).expand(B, H, kw).reshape(-1)
+        keys = host.key_rows(bh, top.to(host.host).reshape(-1))  # (B*H*k', D) on the host
+        exact = keys.view(B, H, kw, -1).float() @ q.to(host.host, torch.float32).transpose(-1, -2)
     ok = valid.to(host.host)
     combined = combine_rows(exact, ok, mode)  # (B, H, k'); top is in position order, so ties go to the earliest
     pick, pick_valid = topk_positions(combined, ks, min(max(ks), kw))

@@ -1,0 +1,150 @@
+"""Native kernels for the CPU decode step, built from C at first use: where torch's own operators leave the
+memory's speed on the table.
+
+    int8_rows.c    int8 weight rows times a few float rows (the decode linears: quantize.Int8Rows). torch 2.13's
+                   kernel reads the weights at a fifth to a third of the rate the memory streams; no maintained
+                   PyPI package has a faster one-row weight-only kernel for x86 (tried: torchao 0.18, ONNX
+                   Runtime, fbgemm). This one rounds the row to int16 (finer than the bf16 rounding of torch's
+                   kernel) and sums exact integer products, with AVX-512 VNNI where the CPU has it.
+    gather_dot.c   the re-rank's exact scores read straight from the key store (methods/pqcache.rerank_exact),
+                   instead of a gathered copy of every candidate's key and a matmul over it.
+
+`python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
+together once per machine with the system's C compiler (`cc`, or $CC; about a second) into $PQCACHE_KERNEL_DIR
+(default ~/.cache/pqcache/kernels), named by a hash of the sources, the flags and the CPU's flags, since
+-march=native code may not run on another CPU sharing the folder. They link OpenMP, which resolves to the libgomp
+torch has already loaded, so their threads are torch's (same count, same team: engine/threads.py). Where there is
+no compiler, the build fails, or PQCACHE_NATIVE=0, `library()` is None and callers use torch's operators;
+`status()` says which and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+SOURCES = [Path(__file__).with_name(name) for name in ("int8_rows.c", "gather_dot.c")]
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC")
+OPERANDS = (torch.int8, torch.float32)  # q, scale
+_why_not: list[str] = []  # why library() is None (set when it is)
+
+
+def kernel_dir() -> Path:
+    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pqcache" / "kernels"
+    return Path(os.environ.get("PQCACHE_KERNEL_DIR", default))
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return ""
+
+
+def build(compiler: str | None = None) -> Path:
+    """Compile the sources (if this machine's copy is not there yet) -> the shared library's path. Raises
+    RuntimeError with the compiler's message when it fails."""
+    compiler = compiler or os.environ.get("CC", "cc")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC, or install gcc)")
+    parts = [path.read_bytes() for path in SOURCES] + [" ".join(FLAGS).encode(), _cpu_flags().encode()]
+    key = hashlib.sha256(b"\0".join([*parts, compiler.encode()]))
+    target = kernel_dir() / f"kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # a private name, then one rename: processes building at once never load a half-written file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        command = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed on the native kernels: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return target
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The built kernel, or None (torch's kernels then): PQCACHE_NATIVE=0, no C compiler, or a failed build (the
+    reason in status())."""
+    if os.environ.get("PQCACHE_NATIVE", "1") == "0":
+        _why_not.append("off (PQCACHE_NATIVE=0)")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError) as error:
+        _why_not.append(str(error))
+        return None
+    pointer, size = ctypes.c_void_p, ctypes.c_int64
+    lib.int8_rows_mm.restype = ctypes.c_int
+    lib.int8_rows_mm.argtypes = [pointer] * 4 + [size] * 3
+    lib.gather_dot.restype = None
+    lib.gather_dot.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer]
+    return lib
+
+
+def status() -> str:
+    """One line for logs and benchmarks: whether decode steps use the native kernels, and why not."""
+    if library() is not None:
+        return "native kernels (int8_rows.c, gather_dot.c)"
+    return "torch's operators (native kernels unavailable: " + "; ".join(_why_not) + ")"
+
+
+class Int8Product:
+    """y = x . (q * scale)^T for one int8 matrix: its operands checked once, then each call is one C call (about
+    13 us of Python and ctypes per call for 7 otherwise; a decode step of the bundled model makes 72). Needs
+    library() (not None)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor):
+        """q (N, K) int8, scale (N,) float32, both contiguous: kept, since the kernel reads their memory."""
+        if q.dim() != 2 or scale.shape != q.shape[:1] or (q.dtype, scale.dtype) != OPERANDS:
+            raise ValueError(f"Int8Product: q {tuple(q.shape)} {q.dtype}, scale {tuple(scale.shape)} {scale.dtype}")
+        self.q, self.scale = q.contiguous(), scale.contiguous()
+        self.N, self.K = q.shape
+        self._kernel = library().int8_rows_mm
+        self._operands = (self.q.data_ptr(), self.scale.data_ptr())
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x (R, K) float -> (R, N) float32, x rounded to int16 per row (int8_rows.c)."""
+        x = x.to(torch.float32).contiguous()  # the same tensor when it already is
+        if x.dim() != 2 or x.shape[1] != self.K:
+            raise ValueError(f"Int8Product: x {tuple(x.shape)} for weights of {self.K} columns")
+        R = x.shape[0]
+        y = torch.empty(R, self.N)
+        if self._kernel(x.data_ptr(), *self._operands, y.data_ptr(), R, self.N, self.K) != 0:
+            raise MemoryError("int8_rows_mm: no memory for the rounded rows")
+        return y
+
+
+def int8_rows_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x (R, K) float, q (N, K) int8, scale (N,) float32 -> (R, N) float32 (Int8Product, once)."""
+    return Int8Product(q, scale)(x)
+
+
+def gather_dot(store: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """store (S', D) float32 with unit column stride (rows may be further apart: a view of a larger buffer), pos (n,)
+    int64 rows of it, q (R, D) float32 -> (n, R) float32: store[pos] @ q.T without the gathered copy
+    (gather_dot.c). The positions must lie inside the store (not checked here: the caller's, as for an index).
+    Needs library() (not None)."""
+    if store.dtype != torch.float32 or store.stride(1) != 1 or q.shape[1] != store.shape[1]:
+        raise ValueError(f"gather_dot: store {tuple(store.shape)} {store.dtype}, q {tuple(q.shape)}")
+    q, pos = q.to(torch.float32).contiguous(), pos.to(torch.int64).contiguous()
+    n, (R, D) = pos.numel(), q.shape
+    out = torch.empty(n, R)
+    library().gather_dot(store.data_ptr(), store.stride(0), pos.data_ptr(), n, q.data_ptr(), R, D, out.data_ptr())
+    return out

@@ -1,0 +1,63 @@
+/* out (n, R) = keys[pos[i]] . q[r]: the re-rank's exact scores, read straight from the key store.
+
+   PQCache's second stage scores its first-stage candidates (4x the budget: 13K of a 32K context) with their exact
+   keys. In torch that is a gather (a copy of every candidate's key, 13 MB at 32K for the bundled model) and then a
+   matmul over the copy; here each key is read once, where it lies, and dotted with up to 4 query rows at once,
+   while the keys a few candidates ahead are already on their way (the positions are known, the hardware cannot
+   guess them).
+
+   The sums are float32 in a fixed order for every key (16 lanes of every 16th column, then the lanes added as a
+   tree): the same on every thread count, not torch's order, so the scores differ from a torch matmul's in the
+   last bits. */
+#include <stdint.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#define AHEAD 8 /* keys prefetched ahead of the one being scored: 1.2-1.3 ms against 1.9 ms without, for 13K
+                   sorted rows of a 32K store (4 to 32 ahead all alike; ad hoc, docs/benchmarks.md) */
+
+#if defined(__AVX512F__)
+static inline void prefetch_row(const float *k, int64_t D) {
+  for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(k + d), _MM_HINT_T0);
+}
+#endif
+
+/* one key against rows q[0..r_n) (r_n <= 4), D a multiple of 16 on the vector path */
+static void dot_rows(const float *k, const float *q, int64_t r_n, int64_t D, float *out) {
+#if defined(__AVX512F__)
+  if (D % 16 == 0) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t d = 0; d < D; d += 16) {
+      __m512 kv = _mm512_loadu_ps(k + d);
+      a0 = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + d), a0);
+      if (r_n > 1) a1 = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + D + d), a1);
+      if (r_n > 2) a2 = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + 2 * D + d), a2);
+      if (r_n > 3) a3 = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + 3 * D + d), a3);
+    }
+    out[0] = _mm512_reduce_add_ps(a0);
+    if (r_n > 1) out[1] = _mm512_reduce_add_ps(a1);
+    if (r_n > 2) out[2] = _mm512_reduce_add_ps(a2);
+    if (r_n > 3) out[3] = _mm512_reduce_add_ps(a3);
+    return;
+  }
+#endif
+  for (int64_t r = 0; r < r_n; r++) {
+    float total = 0.0f;
+    for (int64_t d = 0; d < D; d++) total += k[d] * q[r * D + d];
+    out[r] = total;
+  }
+}
+
+/* keys: the store's first row (rows of D floats, `stride` floats apart); pos (n,) int64 rows; q (R, D) */
+void gather_dot(const float *keys, int64_t stride, const int64_t *pos, int64_t n, const float *q, int64_t R,
+                int64_t D, float *out) {
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < n; i++) {
+#if defined(__AVX512F__)
+    if (i + AHEAD < n) prefetch_row(keys + pos[i + AHEAD] * stride, D);
+#endif
+    const float *k = keys + pos[i] * stride;
+    for (int64_t r0 = 0; r0 < R; r0 += 4) dot_rows(k, q + r0 * D, R - r0 < 4 ? R - r0 : 4, D, out + i * R + r0);
+  }
+}

@@ -1,0 +1,147 @@
+"""The native int8-row kernel (pqcache/serving/int8_rows.c via native.py): it builds here, its products are the
+exact integer sums its rounding defines (any width, any thread count, sums past int32), it runs on torch's OpenMP
+threads, and without it decode linears fall back to torch's kernel."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from pqcache import native
+from pqcache.serving.quantize import Int8Rows
+
+
+def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """int8_rows.c's arithmetic in torch: x rounded to int16 per row (nearest, ties to even, as lrintf), the
+    products summed exactly in int64, then float(sum) * xs * scale in float32, in that order."""
+    top = x.abs().amax(1, keepdim=True)  # (R, 1)
+    xs = torch.where(top > 0, top / 32767, torch.ones_like(top))
+    inverse = torch.where(top > 0, 32767 / top, torch.ones_like(top))
+    xq = torch.round(x * inverse).long()  # (R, K)
+    sums = (xq[:, None, :] * q.long()[None]).sum(-1)  # (R, N), exact
+    return sums.float() * xs * scale
+
+
+def test_the_kernel_builds_where_there_is_a_compiler():
+    """A C compiler is part of the set-up (README): without one decode steps would quietly run 2x slower."""
+    assert shutil.which("cc") is not None, "install a C compiler (Debian: apt install gcc)"
+    assert native.library() is not None, native.status()
+    assert native.status().startswith("native")
+
+
+@pytest.mark.parametrize(
+    "R, N, K",
+    [(1, 70, 16), (2, 33, 48), (3, 1536, 640), (1, 640, 2048), (1, 5, 4100), (4, 3, 8208)],
+)
+def test_products_are_the_exact_integer_sums_of_the_rounded_rows(R, N, K):
+    """Widths that are and are not multiples of the vector path's 128 and 32 columns, and past its int32 block
+    (4,096 columns): the same numbers as the reference, to the bit."""
+    g = torch.Generator().manual_seed(R * N + K)
+    x = torch.randn(R, K, generator=g) * torch.rand(R, 1, generator=g) * 10
+    q = torch.randint(-127, 128, (N, K), generator=g, dtype=torch.int8)
+    scale = torch.rand(N, generator=g) / 100
+    assert torch.equal(native.int8_rows_mm(x, q, scale), _reference(x, q, scale))
+
+
+def test_sums_past_int32_and_odd_rows():
+    """Every product at its largest (127 x 32767, same sign) over 70,000 columns: 2.9e11, far past int32; a row of
+    zeros gives zeros, a row with an inf or a NaN gives NaN, not garbage."""
+    K = 70_000
+    q = torch.full((3, K), 127, dtype=torch.int8)
+    x = torch.ones(4, K)
+    x[1] = 0
+    x[2, 5] = float("inf")
+    x[3, 7] = float("nan")
+    y = native.int8_rows_mm(x, q, torch.ones(3))
+    assert torch.equal(y[:2], _reference(x[:2], q, torch.ones(3)))
+    torch.testing.assert_close(y[0], torch.full((3,), 127.0 * K))  # an int32 sum would have wrapped around
+    assert torch.equal(y[1], torch.zeros(3))
+    assert y[2:].isnan().all()
+
+
+def test_the_result_does_not_depend_on_the_thread_count():
+    g = torch.Generator().manual_seed(0)
+    x, q = torch.randn(2, 640, generator=g), torch.randint(-127, 128, (4099, 640), generator=g, dtype=torch.int8)
+    scale = torch.rand(4099, generator=g)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = native.int8_rows_mm(x, q, scale)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(one, native.int8_rows_mm(x, q, scale))
+
+
+def test_the_kernel_uses_torchs_openmp_runtime():
+    """The library links libgomp.so.1, which must resolve to the copy torch loaded (one thread team, as
+    pqcache/engine/threads.py relies on): no second libgomp.so.1 from the system in this process."""
+    native.int8_rows_mm(torch.ones(1, 64), torch.ones(64, 64, dtype=torch.int8), torch.ones(64))
+    with open("/proc/self/maps", encoding="utf-8") as f:
+        gomp = {line.split()[-1] for line in f if line.rstrip().endswith("libgomp.so.1")}
+    assert len(gomp) == 1 and "/torch/lib/" in next(iter(gomp)), gomp
+
+
+def test_int8_rows_is_closer_to_float_than_torchs_bf16_kernel_and_falls_back_to_it():
+    """Int8Rows with the native kernel (x rounded to int16) against torch's (x rounded to bf16): both near the
+    float product of the dequantized weights, the native one closer; use_native=False takes torch's kernel."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(512, 640, generator=g) * 0.05, torch.randn(3, 640, generator=g)
+    fast, fallback = Int8Rows(w), Int8Rows(w, use_native=False)
+    assert fast.native is not None and fallback.native is None
+    exact = x @ (fast.q.float() * fast.scale.float()[:, None]).T
+    native_error = (fast.mm(x) - exact).abs().max()
+    torch_error = (fallback.mm(x) - exact).abs().max()
+    assert fast.mm(x).dtype == fallback.mm(x).dtype == torch.float32
+    assert native_error < 1e-3 * exact.abs().max() and native_error < torch_error / 10
+
+
+def test_a_failed_build_says_why(monkeypatch, tmp_path):
+    monkeypatch.setenv("PQCACHE_KERNEL_DIR", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no C compiler"):
+        native.build(compiler="no-such-compiler-here")
+    assert native.build() == native.build()  # built once into the folder, then found there
+    assert len(list(tmp_path.glob("kernels-*.so"))) == 1
+
+
+@pytest.mark.parametrize("D, R", [(256, 4), (72, 1), (8, 3)])
+def test_gather_dot_scores_the_rows_where_they_lie(D, R):
+    """Rows of a view into a larger buffer (the host tier's storage), widths that are and are not multiples of
+    its 16 lanes: the gathered copy's matmul, up to float32 summation order; the same on one thread."""
+    g = torch.Generator().manual_seed(D)
+    buffer = torch.randn(2, 3, 500, D, generator=g)
+    store = buffer[1, 2]  # (500, D), rows D apart inside the buffer
+    pos = torch.randint(0, 500, (777,), generator=g)
+    q = torch.randn(R, D, generator=g)
+    got = native.gather_dot(store, pos, q)
+    torch.testing.assert_close(got, store[pos] @ q.T, rtol=1e-5, atol=1e-5)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(native.gather_dot(store, pos, q), got)
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(ValueError, match="gather_dot"):
+        native.gather_dot(store.to(torch.bfloat16), pos, q)
+
+
+def test_the_host_tiers_key_scores_read_across_a_forks_two_parts():
+    """A fork's tier keeps the parent's tokens (shared) and its own: scores of positions on both sides of the
+    seam, for every row and head, match the gathered keys' products."""
+    from pqcache.engine.layer.host import HostTier
+
+    g = torch.Generator().manual_seed(3)
+    B, H, D = 2, 3, 32
+    parent = HostTier(B, H, D, torch.float32, torch.device("cpu"))
+    parent.append(torch.randn(B, H, 40, D, generator=g), torch.randn(B, H, 40, D, generator=g))
+    tier = parent.fork()
+    tier.append(torch.randn(B, H, 9, D, generator=g), torch.randn(B, H, 9, D, generator=g))
+    assert tier.S0 == 40 and tier.S == 49
+    pos = torch.randint(0, 49, (B, H, 25), generator=g)
+    q = torch.randn(B, H, 2, D, generator=g)
+    got = tier.key_scores(pos, q)
+    bh = torch.arange(B * H).repeat_interleave(25)
+    keys = tier.key_rows(bh, pos.reshape(-1)).view(B, H, 25, D)
+    torch.testing.assert_close(got, keys @ q.transpose(-1, -2), rtol=1e-5, atol=1e-5)
+    assert HostTier(B, H, D, torch.bfloat16, torch.device("cpu")).key_scores(pos, q) is None  # torch's way there
