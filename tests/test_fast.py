@@ -276,11 +276,17 @@ def test_fused_siblings_give_each_projection_its_own_output(kind):
         assert torch.equal(fused[2](y), alone[2](y)) and torch.equal(fused[0](x), alone[0](x))
 
 
-@pytest.mark.parametrize("kind", ["int8", "int4"])
+@pytest.mark.parametrize(
+    "kind, kernel, tol", [("int8", "native", 1e-4), ("int8", "torch", 1e-5), ("int4", "torch", 1e-5)]
+)
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_decode_weights_keep_full_budget_equal_to_full_attention(arch, kind):
+def test_decode_weights_keep_full_budget_equal_to_full_attention(monkeypatch, arch, kind, kernel, tol):
     """Both caches decode through the same quantized linears: at a full budget PQCache still equals full
-    attention."""
+    attention. The two attend in different summation orders (float noise in the next linears' inputs): torch's
+    kernels round those inputs to bf16, whose steps rarely move; the native int8 kernel to int16 steps of
+    max|x| / 32767, which often move by one (1e-5 of the scores; tests/test_decode_layer.py has the same pair)."""
+    if kernel == "torch":
+        monkeypatch.setattr(native, "library", lambda: None)
     model = tiny_model(arch)
     n_linear = sum(isinstance(m, torch.nn.Linear) for m in model.model.layers.modules())
     assert install_decode_weights(model, kind) == n_linear == 7 * len(model.model.layers)
@@ -288,7 +294,8 @@ def test_decode_weights_keep_full_budget_equal_to_full_attention(arch, kind):
     attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
     assert attn.q_proj.group is attn.v_proj.group is not None and attn.o_proj.group is None
     assert mlp.gate_proj.group is mlp.up_proj.group is not None and mlp.down_proj.group is None
-    assert_full_budget_equals_full_attention(model, seed=2, tol=1e-5)
+    assert (getattr(mlp.down_proj.weights, "native", None) is None) == (kernel == "torch")
+    assert_full_budget_equals_full_attention(model, seed=2, tol=tol)
 
 
 def _on_four_bit_grid(rows: int, cols: int, g: torch.Generator, levels=(2, 13)) -> torch.Tensor:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from pqcache import native
 from pqcache.serving.decode_weights import DEFAULT_DECODE_WEIGHTS
 from pqcache.serving.fast import available_cpus, dtype_name, resolve_dtype
 from pqcache.serving.loading import DEFAULT_NAMES
@@ -162,6 +163,8 @@ def describe(runner: str, common: dict) -> str:
         return f"Q4_K_M GGUF, n_threads={common['threads']}, n_batch=n_ubatch={common['n_batch']}, flash_attn"
     cache = "DynamicCache" if runner == "full" else "PQCache defaults"
     weights = f"{common['dtype']}, {common['decode_weights']} decode weights"
+    if common["decode_weights"] != "model":  # the runners' processes find the same build (pqcache/native)
+        weights += " (native kernels)" if native.library() is not None else " (torch's kernels)"
     return f"{weights}, {cache}, threads={common['threads']}, prefill chunks of {common['chunk_tokens']}"
 
 
