@@ -1,6 +1,7 @@
-"""The native int8-row kernel (pqcache/serving/int8_rows.c via native.py): it builds here, its products are the
-exact integer sums its rounding defines (any width, any thread count, sums past int32), it runs on torch's OpenMP
-threads, and without it decode linears fall back to torch's kernel."""
+"""The native kernels (pqcache/native): they build here; int8_rows.c's products are the exact integer sums its
+rounding defines (any width, any thread count, sums past int32); gather_dot.c's scores are a gathered matmul's, read
+in place, across a fork's two parts too; both run on torch's OpenMP threads, and without them decode falls back to
+torch's operators."""
 
 from __future__ import annotations
 
@@ -101,6 +102,9 @@ def test_a_failed_build_says_why(monkeypatch, tmp_path):
     monkeypatch.setenv("PQCACHE_KERNEL_DIR", str(tmp_path))
     with pytest.raises(RuntimeError, match="no C compiler"):
         native.build(compiler="no-such-compiler-here")
+    with pytest.raises(RuntimeError, match="false failed on the native kernels"):
+        native.build(compiler="false")  # a "compiler" that exits 1
+    assert not list(tmp_path.glob("*.so"))  # its private output is gone
     assert native.build() == native.build()  # built once into the folder, then found there
     assert len(list(tmp_path.glob("kernels-*.so"))) == 1
 
@@ -124,6 +128,9 @@ def test_gather_dot_scores_the_rows_where_they_lie(D, R):
         torch.set_num_threads(before)
     with pytest.raises(ValueError, match="gather_dot"):
         native.gather_dot(store.to(torch.bfloat16), pos, q)
+    for outside in (-1, 500):
+        with pytest.raises(IndexError, match="outside a store of 500 rows"):
+            native.gather_dot(store, torch.tensor([3, outside]), q)
 
 
 def test_the_host_tiers_key_scores_read_across_a_forks_two_parts():

@@ -4,8 +4,9 @@ memory's speed on the table.
     int8_rows.c    int8 weight rows times a few float rows (the decode linears: quantize.Int8Rows). torch 2.13's
                    kernel reads the weights at a fifth to a third of the rate the memory streams; no maintained
                    PyPI package has a faster one-row weight-only kernel for x86 (tried: torchao 0.18, ONNX
-                   Runtime, fbgemm). This one rounds the row to int16 (finer than the bf16 rounding of torch's
-                   kernel) and sums exact integer products, with AVX-512 VNNI where the CPU has it.
+                   Runtime, fbgemm, torch.compile's generated code). This one rounds the row to int16 (finer than
+                   the bf16 rounding of torch's kernel) and sums exact integer products, with AVX-512 VNNI where
+                   the CPU has it.
     gather_dot.c   the re-rank's exact scores read straight from the key store (methods/pqcache.rerank_exact),
                    instead of a gathered copy of every candidate's key and a matmul over it.
 
@@ -68,7 +69,10 @@ def build(compiler: str | None = None) -> Path:
     os.close(fd)
     try:
         command = [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, "-lm"]
-        done = subprocess.run(command, capture_output=True, text=True)
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+        except subprocess.TimeoutExpired as error:
+            raise RuntimeError(f"{compiler} took over {error.timeout:.0f} s on the native kernels") from error
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed on the native kernels: {done.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -107,8 +111,8 @@ def status() -> str:
 
 class Int8Product:
     """y = x . (q * scale)^T for one int8 matrix: its operands checked once, then each call is one C call (about
-    13 us of Python and ctypes per call for 7 otherwise; a decode step of the bundled model makes 72). Needs
-    library() (not None)."""
+    11 us a call here for a small matrix, 13 with the checks made every call; a decode step of the bundled model
+    makes 72). Needs library() (not None)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):
         """q (N, K) int8, scale (N,) float32, both contiguous: kept, since the kernel reads their memory."""
@@ -139,12 +143,16 @@ def int8_rows_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 def gather_dot(store: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """store (S', D) float32 with unit column stride (rows may be further apart: a view of a larger buffer), pos (n,)
     int64 rows of it, q (R, D) float32 -> (n, R) float32: store[pos] @ q.T without the gathered copy
-    (gather_dot.c). The positions must lie inside the store (not checked here: the caller's, as for an index).
-    Needs library() (not None)."""
+    (gather_dot.c). A position outside the store raises IndexError, as an index would (C would read outside
+    the buffer). Needs library() (not None)."""
     if store.dtype != torch.float32 or store.stride(1) != 1 or q.shape[1] != store.shape[1]:
         raise ValueError(f"gather_dot: store {tuple(store.shape)} {store.dtype}, q {tuple(q.shape)}")
     q, pos = q.to(torch.float32).contiguous(), pos.to(torch.int64).contiguous()
     n, (R, D) = pos.numel(), q.shape
+    if n:
+        low, high = torch.aminmax(pos)
+        if low < 0 or high >= store.shape[0]:
+            raise IndexError(f"gather_dot: positions {int(low)}..{int(high)} outside a store of {store.shape[0]} rows")
     out = torch.empty(n, R)
     library().gather_dot(store.data_ptr(), store.stride(0), pos.data_ptr(), n, q.data_ptr(), R, D, out.data_ptr())
     return out

@@ -1,11 +1,11 @@
 """Weight-only quantized copies for decode steps: int8 rows and int4 groups.
 
-    Int8Rows    one bf16 scale per output row, round to nearest: w ~ q * scale       (native.py, or
+    Int8Rows    one bf16 scale per output row, round to nearest: w ~ q * scale       (pqcache/native, or
                                                                                    _weight_int8pack_mm)
     Int4Groups  groups of 32 weights with a bf16 scale and zero, 16 levels each:
                 w ~ (q - 8) * scale + zero                                              (_weight_int4pack_mm_for_cpu)
 
-Int8Rows multiplies with native.py's kernel where it built (x rounded to int16), with torch's otherwise (x
+Int8Rows multiplies with pqcache/native's int8_rows.c where it built (x rounded to int16), with torch's otherwise (x
 rounded to bf16); Int4Groups with torch's (x rounded to bf16). Both return float32. A decode step reads every
 weight once: 18 layers of the bundled model's decoder linears took 10 ms a step as int8 through torch's kernel and
 4 ms as int4 here; the native int8 kernel reads them near the memory's streaming rate (docs/benchmarks.md, `bench
@@ -99,7 +99,7 @@ def is_four_bit(w: torch.Tensor, probe_groups: int = 256) -> bool:
 
 class Int8Rows:
     def __init__(self, w: torch.Tensor, use_native: bool = True):
-        """w (N, K) float, K a multiple of 16. use_native: multiply with native.py's kernel when it built."""
+        """w (N, K) float, K a multiple of 16. use_native: multiply with pqcache/native's kernel when it built."""
         self.q, self.scale = quantize_rows(w)  # (N, K) int8, (N,) bf16
         # the native kernel, with the same scales in float32 (it rounds x to int16, not bf16)
         self.native = None
