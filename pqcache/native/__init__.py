@@ -12,11 +12,11 @@ memory's speed on the table.
 
 `python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
 together once per machine with the system's C compiler (`cc`, or $CC; about a second) into $PQCACHE_KERNEL_DIR
-(default ~/.cache/pqcache/kernels), named by a hash of the sources, the flags and the CPU's flags, since
--march=native code may not run on another CPU sharing the folder. They link OpenMP, which resolves to the libgomp
-torch has already loaded, so their threads are torch's (same count, same team: engine/threads.py). Where there is
-no compiler, the build fails, or PQCACHE_NATIVE=0, `library()` is None and callers use torch's operators;
-`status()` says which and why.
+(default $PQCACHE_HOME/kernels, ~/.cache/pqcache/kernels), named by a hash of the sources, the flags and the CPU's
+flags, since -march=native code may not run on another CPU sharing the folder. They link OpenMP, which resolves to
+the libgomp torch has already loaded, so their threads are torch's (same count, same team: engine/threads.py).
+Where there is no compiler, the build fails, or PQCACHE_NATIVE=0, `library()` is None and callers use torch's
+operators; `status()` says which and why.
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ _why_not: list[str] = []  # why library() is None (set when it is)
 
 
 def kernel_dir() -> Path:
-    default = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "pqcache" / "kernels"
+    """$PQCACHE_KERNEL_DIR, else kernels/ in $PQCACHE_HOME (~/.cache/pqcache, where the models are converted)."""
+    default = Path(os.environ.get("PQCACHE_HOME", Path.home() / ".cache" / "pqcache")) / "kernels"
     return Path(os.environ.get("PQCACHE_KERNEL_DIR", default))
 
 
