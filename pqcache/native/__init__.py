@@ -11,7 +11,7 @@ memory's speed on the table.
                    instead of a gathered copy of every candidate's key and a matmul over it.
 
 `python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
-together once per machine with the system's C compiler (`cc`, or $CC; about a second) into $PQCACHE_KERNEL_DIR
+together once per machine with the system's C compiler (`cc`, or $CC; 0.6 s here) into $PQCACHE_KERNEL_DIR
 (default $PQCACHE_HOME/kernels, ~/.cache/pqcache/kernels), named by a hash of the sources, the flags and the CPU's
 flags, since -march=native code may not run on another CPU sharing the folder. They link OpenMP, which resolves to
 the libgomp torch has already loaded, so their threads are torch's (same count, same team: engine/threads.py).
@@ -112,7 +112,7 @@ def status() -> str:
 
 class Int8Product:
     """y = x . (q * scale)^T for one int8 matrix: its operands checked once, then each call is one C call (about
-    11 us a call here for a small matrix, 13 with the checks made every call; a decode step of the bundled model
+    11 us a call here for a small matrix, 13 with the checks made every call, ad hoc; a decode step of the bundled model
     makes 72). Needs library() (not None)."""
 
     def __init__(self, q: torch.Tensor, scale: torch.Tensor):

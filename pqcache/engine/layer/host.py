@@ -104,12 +104,18 @@ class HostTier:
         if self.S0 == 0:
             return _take(own, bh, pos)
         out = torch.empty((bh.numel(), self.D), dtype=self.dtype)
+        for idx, store, local in self._parts(shared, own, pos):
+            out[idx] = _take(store, bh[idx], local)
+        return out
+
+    def _parts(self, shared, own, pos: torch.Tensor):
+        """pos (n,) -> (idx, store, positions in that store) for each part of the tier that pos reaches: the
+        shared prefix of a fork (positions < S0) and this tier's own tokens."""
         old = pos < self.S0
         for part, store, offset in ((old, shared, 0), (~old, own, self.S0)):
             idx = part.nonzero().squeeze(1)
             if idx.numel():
-                out[idx] = _take(store, bh[idx], pos[idx] - offset)
-        return out
+                yield idx, store, pos[idx] - offset
 
     def key_scores(self, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
         """pos (B, H, k) positions on the host, q (B, H, R, D) -> exact scores (B, H, k, R) = K[pos] . q, each key
@@ -123,15 +129,11 @@ class HostTier:
         q = q.to(self.host, torch.float32)
         for b in range(B):
             for h in range(H):
-                p = pos[b, h]
-                if self.S0 == 0:
-                    out[b, h] = native.gather_dot(self.own_k[b, h], p, q[b, h])
+                if self.S0 == 0:  # one part: the scores land in place, no index
+                    out[b, h] = native.gather_dot(self.own_k[b, h], pos[b, h], q[b, h])
                     continue
-                old = p < self.S0
-                for part, store, offset in ((old, self.shared_k, 0), (~old, self.own_k, self.S0)):
-                    idx = part.nonzero().squeeze(1)
-                    if idx.numel():
-                        out[b, h, idx] = native.gather_dot(store[b, h], p[idx] - offset, q[b, h])
+                for idx, store, local in self._parts(self.shared_k, self.own_k, pos[b, h]):
+                    out[b, h, idx] = native.gather_dot(store[b, h], local, q[b, h])
         return out
 
     def gather(self, pos: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
