@@ -8,6 +8,8 @@ python scripts/decode_probe.py ab --seq-len 8192 --what layer          # the sho
 python scripts/decode_probe.py ab --seq-len 8192 --what int4           # int8 vs int4 decode weights
 python scripts/decode_probe.py ab --seq-len 8192 --what int8           # auto decode weights vs int8 everywhere
 python scripts/decode_probe.py ab --seq-len 32768 --what native        # the native kernels vs torch's operators
+python scripts/decode_probe.py ab --seq-len 32768 --what lmhead        # the LM head: native int8 vs torch's int4+int8
+python scripts/decode_probe.py ab --seq-len 32768 --what step          # layers' step in C (layer_step.c) vs in torch
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
 python scripts/decode_probe.py ab --seq-len 32768 --what budget        # default budget (1/10) vs 1/5 (two forks)
@@ -274,8 +276,23 @@ def settings(model, what: str, cache=None):
 
     if what == "layer":  # A: the short decode forward (decode_layer.py), B: transformers' layer forward
         return (lambda: layer_forward(True)), (lambda: layer_forward(False))
+    if what == "step":  # A: the layers' one-token step in C (native.LayerStep), B: in torch (same int8 products)
+        steps_in_c = {id(f): f.native for f in fast if isinstance(f, FastDecodeLayer)}
+
+        def use(on: bool):
+            for f in fast:
+                if isinstance(f, FastDecodeLayer):
+                    f.native = steps_in_c[id(f)] if on else None
+
+        return (lambda: use(True)), (lambda: use(False))
     linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
-    if what == "native":  # A: the native kernels (pqcache/native), B: torch's (int8 kernel, gathered re-rank keys)
+    if what in ("lmhead", "native"):  # the exact-argmax head on the native int8 kernel (True) or on torch's (False)
+        from pqcache.serving.lmhead import ExactArgmaxHead
+
+        heads = {True: model.lm_head, False: ExactArgmaxHead(model.lm_head.head, use_native=False)}
+    if what == "lmhead":  # A: the exact-argmax head on the native int8 kernel, B: on torch's int4 and int8 kernels
+        return (lambda: setattr(model, "lm_head", heads[True])), (lambda: setattr(model, "lm_head", heads[False]))
+    if what == "native":  # A: the native kernels (pqcache/native), B: torch's (int8 kernels, gathered re-rank keys)
         from pqcache import native
 
         library = native.library
@@ -284,6 +301,7 @@ def settings(model, what: str, cache=None):
 
         def use(on: bool):
             native.library = library if on else (lambda: None)
+            model.lm_head = heads[on]
             for w, kernel in copies.values():
                 w.native = kernel if on else None
 
@@ -436,7 +454,8 @@ def main():
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument(
         "--what",
-        choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow", "int8", "native"],
+        choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow", "int8", "native"]
+        + ["lmhead", "step"],
         default="threads",
         help="ab: what A and B differ in",
     )

@@ -1,6 +1,6 @@
 """The short decode forward of Gemma 3 layers (pqcache/serving/decode_layer.py): bit-identical to the model's
 forward with the quantized decode linears (int8, int4), under full attention and PQCache, and only where it
-applies."""
+applies; its step in C (native.LayerStep) within 1e-4 of the torch step, with the same greedy tokens."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
+import pqcache.serving.decode_layer as decode_layer
 from pqcache import PQCache, PQCacheConfig, native
 from pqcache.serving.decode_layer import FastDecodeLayer, install_fast_decode
 from pqcache.serving.decode_weights import install_decode_weights
@@ -54,7 +55,8 @@ def _fast_steps(model) -> int:
     ids=["full", "pqcache-full-budget", "pqcache-budget-0.2"],
 )
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_fast_decode_layer_is_bit_identical_to_the_models_forward(make_cache, kind):
+def test_fast_decode_layer_is_bit_identical_to_the_models_forward(monkeypatch, make_cache, kind):
+    monkeypatch.setattr(decode_layer, "NATIVE_STEP", False)  # the step in torch (the C step: test_native_step_...)
     model = _gemma3()
     assert install_decode_weights(model, kind) == 7 * len(model.model.layers)
     ids = torch.randint(1, 96, (1, 70), generator=torch.Generator().manual_seed(3))
@@ -70,12 +72,13 @@ def test_fast_decode_layer_is_bit_identical_to_the_models_forward(make_cache, ki
 
 @pytest.mark.parametrize("prompt_tokens", [10, 23, 24, 70])
 @pytest.mark.parametrize("kv_heads", [2, 4])
-def test_one_row_decode_step_is_bit_identical_to_the_models_forward(prompt_tokens, kv_heads):
+def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch, prompt_tokens, kv_heads):
     """The step without the model's forward (decode_step.py) against the layers' short forward inside the model's
     forward: the same logits from contexts shorter than the sliding window (24 tokens: its mask, which the step
     does not pass, is all ones either way) to longer ones, with grouped query heads and without, for full
     attention and PQCache at full and small budgets; with an observer attached (the app's live panels) the
-    model's forward runs, with the same logits again."""
+    model's forward runs, with the same logits again. The layers' step in torch (in C: the next test)."""
+    monkeypatch.setattr(decode_layer, "NATIVE_STEP", False)
     model = _gemma3(seed=2, kv_heads=kv_heads)
     install_decode_weights(model)
     install_fast_decode(model)
@@ -101,6 +104,57 @@ def test_one_row_decode_step_is_bit_identical_to_the_models_forward(prompt_token
                 watched.close()  # detaches the hooks: the next cache's steps take the short path again
                 assert torch.equal(observed, ref)
         assert torch.equal(got, ref)
+
+
+def test_native_step_parts_match_the_torch_steps_parts():
+    """layer_qkv (input norm, q/k/v product, head norms, rotary embedding) and layer_out (o product, norms,
+    residuals, gate/up, GELU, down) of one layer against FastDecodeLayer's torch parts on the same input."""
+    model = _gemma3(seed=6, kv_heads=2)
+    install_decode_weights(model)
+    install_fast_decode(model)
+    fast = model.model.layers[1].forward
+    assert fast.native is not None, native.status()
+    g = torch.Generator().manual_seed(6)
+    E, Hq, Hk = model.config.hidden_size, fast.n_q, fast.n_kv
+    D = fast.w_qk.shape[-1]
+    x = torch.randn(1, E, generator=g) * 3
+    angle = torch.rand(1, 1, D, generator=g) * 6
+    cos, sin = angle.cos(), angle.sin()
+    qk, qkv = fast._qkv(x, (cos, sin))  # (1, Hq + Hk, D), (1, Hq + 2 Hk, D)
+    got = fast.native.qkv(x, cos.reshape(-1), fast._signed_sin(sin).reshape(-1))
+    torch.testing.assert_close(got[: Hq + Hk], qk[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got[Hq + Hk :], qkv[0, Hq + Hk :], rtol=1e-5, atol=1e-5)
+    attn = torch.randn(1, Hq * D, generator=g)
+    torch.testing.assert_close(fast.native.out(x, attn), fast._mlp(x, attn), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("prompt_tokens", [10, 70])
+@pytest.mark.parametrize("kv_heads", [1, 2, 4])
+def test_native_step_is_close_to_the_torch_step_with_the_same_tokens(monkeypatch, prompt_tokens, kv_heads):
+    """The layers' one-token step in C (layer_step.c) against the same step in torch, on the same int8 products:
+    logits within 1e-4 (summation orders differ, and the int16 rounding of the next product can turn a last-bit
+    difference into 1e-5), the same greedy tokens, for full attention (the keys of a window shorter and longer
+    than the sliding window, all of a full-attention layer's) and PQCache at full and small budgets, with one,
+    two and four query heads a key/value head."""
+    ids = torch.randint(1, 96, (1, prompt_tokens), generator=torch.Generator().manual_seed(prompt_tokens))
+    makers = (
+        lambda m: DynamicCache(config=m.config),
+        lambda m: PQCache(m, FULL_BUDGET),
+        lambda m: PQCache(m, SMALL_BUDGET),
+    )
+    logits = {}
+    for in_c in (False, True):
+        monkeypatch.setattr(decode_layer, "NATIVE_STEP", in_c)
+        model = _gemma3(seed=4, kv_heads=kv_heads)
+        install_decode_weights(model)
+        install_fast_decode(model)
+        assert all((layer.forward.native is not None) == in_c for layer in model.model.layers)
+        with torch.no_grad():
+            logits[in_c] = [_decode(model, make(model), ids, n=12) for make in makers]
+        assert model.fast_decode_step.steps == 12 * len(makers)
+    for torch_step, c_step in zip(logits[False], logits[True]):
+        torch.testing.assert_close(c_step, torch_step, rtol=1e-4, atol=1e-4)
+        assert torch.equal(c_step.argmax(-1), torch_step.argmax(-1))
 
 
 @pytest.mark.parametrize("kernel, tol", [("torch", 1e-5), ("native", 1e-4)])

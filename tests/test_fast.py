@@ -94,15 +94,18 @@ def test_resolve_dtype(monkeypatch):
         fast.resolve_dtype("float16")
 
 
+@pytest.mark.parametrize("use_native", [True, False], ids=["native", "torch"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_exact_argmax_head_picks_the_exact_heads_argmax(dtype):
+def test_exact_argmax_head_picks_the_exact_heads_argmax(dtype, use_native):
     g = torch.Generator().manual_seed(0)
     head = torch.nn.Linear(64, 5000, bias=False).to(dtype)
     with torch.no_grad():
         head.weight.copy_(torch.randn(5000, 64, generator=g) * 0.05)
         # near-ties: rows that differ from others by less than the int8 step
         head.weight[1:50] = head.weight[0] + 1e-4 * torch.randn(49, 64, generator=g).to(dtype)
-    fast_head = ExactArgmaxHead(head)
+    fast_head = ExactArgmaxHead(head, use_native=use_native)
+    assert (fast_head.native is not None) == use_native  # a C compiler is part of the set-up (tests/test_native.py)
+    assert fast_head.int4 != use_native  # the int4 stage runs only with torch's kernels
     with torch.no_grad():
         for i in range(50):
             h = (torch.randn(1, 1, 64, generator=g) * (1 + i)).to(dtype)
@@ -139,9 +142,10 @@ def _near_tied_head(dtype, V=4000, D=64, tied=50, noise=1e-4):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_argmax_head_int4_then_int8_stages_keep_the_exact_argmax(dtype):
     """The int4 pass narrows the vocabulary, the int8 pass scores only its survivors, and the argmax is still the
-    exact head's, near-ties included (rows closer than an int4 step, hidden states pointing at them)."""
+    exact head's, near-ties included (rows closer than an int4 step, hidden states pointing at them). Torch's
+    kernels: with the native one the head reads every int8 row instead."""
     head, g = _near_tied_head(dtype)
-    fast_head = ExactArgmaxHead(head)
+    fast_head = ExactArgmaxHead(head, use_native=False)
     assert fast_head.int4, "torch's int4 CPU kernel is missing"
     tied_wins = 0
     with torch.no_grad():
@@ -165,9 +169,12 @@ def test_exact_argmax_head_int4_then_int8_stages_keep_the_exact_argmax(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_exact_argmax_head_bounds_hold_and_are_tight(dtype):
     """Each stage's bound covers |exact logit - score| for every row, and is nearly reached when the hidden
-    state points along a row's quantization error (Cauchy-Schwarz is tight there): a bound half as big fails."""
+    state points along a row's quantization error (Cauchy-Schwarz is tight there): a bound half as big fails.
+    The stages: torch's int4 and int8 kernels (h rounded to bf16), and the native int8 kernel (h to int16)."""
     head, g = _near_tied_head(dtype)
-    fast_head = ExactArgmaxHead(head)
+    fast_head = ExactArgmaxHead(head, use_native=False)
+    native_head = ExactArgmaxHead(head)
+    assert native_head.native is not None
     w = head.weight.float()
     D = w.shape[1]
     # the dequantized weights as the kernels see them (to bf16 precision): their products with the unit vectors
@@ -179,14 +186,16 @@ def test_exact_argmax_head_bounds_hold_and_are_tight(dtype):
     ).T.float()  # (V', D)
     w8 = fast_head.q.float() * fast_head.scale.float()[:, None]  # (V, D)
     with torch.no_grad():
-        for stage, deq in (("int4", w4), ("int8", w8)):
+        for stage, deq in (("int4", w4), ("int8", w8), ("int8, native", w8)):
             for i in torch.randint(0, 4000, (20,), generator=g).tolist():
                 err = w[i] - deq[i]
-                # bf16 already: no rounding of h in the bound, whose weight-error term is then nearly reached
+                # bf16 already: no rounding of h in torch's bound, whose weight-error term is then nearly reached
+                # (native: the int16 rounding's share is under 2**-15 of h's largest entry)
                 h = (err / err.norm() * (1 + i % 7)).bfloat16().to(dtype)
                 exact = head(h[None, None])[0, 0].float()  # (V,)
-                acts = fast_head.activations(h[None])
-                score, bound = fast_head.int4_scores(acts) if stage == "int4" else fast_head.int8_scores(acts)
+                stager = native_head if stage == "int8, native" else fast_head
+                acts = stager.activations(h[None])
+                score, bound = stager.int4_scores(acts) if stage == "int4" else stager.int8_scores(acts)
                 gap = (exact - score[0]).abs()
                 assert bool((gap <= bound[0]).all()), (stage, i)
                 assert float(gap[i]) >= 0.5 * float(bound[0, i]), (stage, i, float(gap[i]), float(bound[0, i]))
@@ -195,22 +204,29 @@ def test_exact_argmax_head_bounds_hold_and_are_tight(dtype):
 def test_exact_argmax_head_falls_back_on_flat_distributions(monkeypatch):
     """A flat top (2,000 rows within an int8 step of each other) leaves more int4 survivors than the cap: the int8
     pass reads every row, and more final candidates than max_candidates: the exact head. Without the int4
-    kernel the head skips stage 1. The argmax is the exact head's each time."""
+    kernel the head skips stage 1, and with the native one (it reads every int8 row) it has no stage 1. The argmax
+    is the exact head's each time."""
     head, g = _near_tied_head(torch.float32, tied=2000, noise=1e-5)
     flat = head.weight[None, None, 0] * 20  # all 2,000 tied rows score about the same
     spiky = torch.randn(3, 1, 64, generator=g) * 3
     with torch.no_grad():
-        capped = ExactArgmaxHead(head, max_int4_candidates=1000)
+        native_head = ExactArgmaxHead(head)
+        for h in (flat, *spiky.split(1)):
+            assert int(native_head(h).argmax(-1)) == int(head(h).argmax(-1))
+        assert native_head.stats["candidates"] > 1000 and native_head.stats["int4_candidates"] == 0
+        exact_only = ExactArgmaxHead(head, max_candidates=100)
+        assert torch.equal(exact_only(flat), head(flat)) and exact_only.stats["exact_fallbacks"] == 1
+        capped = ExactArgmaxHead(head, max_int4_candidates=1000, use_native=False)
         for h in (flat, *spiky.split(1)):
             assert int(capped(h).argmax(-1)) == int(head(h).argmax(-1))
         assert capped.stats["int4_fallbacks"] == 1 and capped.stats["exact_fallbacks"] == 0
         assert capped.stats["candidates"] > 1000  # the flat step's exact logits were computed for the tied rows
         nan = torch.full((1, 1, 64), float("nan"))  # no int4 candidate at all: the full int8 pass, no error
         assert capped(nan).shape == (1, 1, 4000) and capped.stats["int4_fallbacks"] == 2
-        exact_only = ExactArgmaxHead(head, max_candidates=100)
+        exact_only = ExactArgmaxHead(head, max_candidates=100, use_native=False)
         assert torch.equal(exact_only(flat), head(flat)) and exact_only.stats["exact_fallbacks"] == 1
         monkeypatch.setattr("pqcache.serving.lmhead.int4_kernel_available", lambda: False)
-        int8_only = ExactArgmaxHead(head)
+        int8_only = ExactArgmaxHead(head, use_native=False)
         assert not int8_only.int4
         for h in (flat, *spiky.split(1)):
             assert int(int8_only(h).argmax(-1)) == int(head(h).argmax(-1))

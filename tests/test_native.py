@@ -19,7 +19,8 @@ def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.T
     products summed exactly in int64, then float(sum) * xs * scale in float32, in that order."""
     top = x.abs().amax(1, keepdim=True)  # (R, 1)
     xs = torch.where(top > 0, top / 32767, torch.ones_like(top))
-    inverse = torch.where(top > 0, 32767 / top, torch.ones_like(top))
+    inverse = torch.where(top > 0, torch.div(torch.full_like(top, 32767.0), top), torch.ones_like(top))  # as C: no
+    # reciprocal-then-product, which `32767 / top` is in torch (a different last bit for a quarter of the rows)
     xq = torch.round(x * inverse).long()  # (R, K)
     sums = (xq[:, None, :] * q.long()[None]).sum(-1)  # (R, N), exact
     return sums.float() * xs * scale
@@ -60,6 +61,25 @@ def test_sums_past_int32_and_odd_rows():
     torch.testing.assert_close(y[0], torch.full((3,), 127.0 * K))  # an int32 sum would have wrapped around
     assert torch.equal(y[1], torch.zeros(3))
     assert y[2:].isnan().all()
+
+
+def test_int16_rounding_is_the_kernels():
+    """native.int16_rounding (what the exact-argmax LM head's bounds use) is the x the kernel multiplies, to the bit:
+    through an identity matrix the kernel returns a * xs, rounded once, as int16_rounding does. Scales from tiny
+    to large, a row with one large entry, a row of zeros, a row with a NaN."""
+    g = torch.Generator().manual_seed(3)
+    K = 640
+    eye = native.Int8Product(torch.eye(K, dtype=torch.int8), torch.ones(K))
+    for size in (1e-3, 1.0, 71.0, 1e5):
+        x = torch.randn(64, K, generator=g) * size
+        x[0, 3] *= 50
+        x[1] = 0
+        assert torch.equal(eye(x), native.int16_rounding(x))
+        # at most half a step of max|x| / 32767, and the fp32 roundings of x * inverse (2**-24 of 32767) and of xs
+        err = (x - native.int16_rounding(x)).abs()
+        assert bool((err <= x.abs().amax(1, keepdim=True) / 32767 * (0.5 + 2**-8)).all())
+    x[2, 5] = float("nan")
+    assert eye(x)[2].isnan().all() and native.int16_rounding(x)[2].isnan().all()
 
 
 def test_the_result_does_not_depend_on_the_thread_count():
@@ -152,3 +172,41 @@ def test_the_host_tiers_key_scores_read_across_a_forks_two_parts():
     keys = tier.key_rows(bh, pos.reshape(-1)).view(B, H, 25, D)
     torch.testing.assert_close(got, keys @ q.transpose(-1, -2), rtol=1e-5, atol=1e-5)
     assert HostTier(B, H, D, torch.bfloat16, torch.device("cpu")).key_scores(pos, q) is None  # torch's way there
+
+
+def _step(Hq: int, Hk: int, D: int) -> native.LayerStep:
+    """A LayerStep for attend alone (attend reads only the head counts and size)."""
+    E, inter = 64, 96
+    shapes = {"qkv": ((Hq + 2 * Hk) * D, E), "o": (E, Hq * D), "gate_up": (2 * inter, E), "down": (E, inter)}
+    products = {
+        name: native.Int8Product(torch.ones(shape, dtype=torch.int8), torch.ones(shape[0]))
+        for name, shape in shapes.items()
+    }
+    norms = {name: torch.ones(E) for name in ("w_in", "w_post_attn", "w_pre_ff", "w_post_ff")}
+    norms["w_qk"] = torch.ones(Hq + Hk, D)
+    return native.LayerStep({"E": E, "Hq": Hq, "Hk": Hk, "D": D, "I": inter}, 1e-6, norms, products)
+
+
+@pytest.mark.parametrize(
+    "Hq, Hk, D, n",
+    [(4, 1, 256, 512), (4, 1, 256, 1), (4, 2, 64, 37), (8, 1, 64, 100), (3, 3, 72, 50), (4, 1, 256, 3000)],
+)
+def test_attend_row_is_softmax_attention_over_every_key(Hq, Hk, D, n):
+    """Grouped query heads (4 a key/value head as in the bundled model, 2, 8 beyond the vector path's 4, none),
+    head sizes on and off the vector path (multiples of 64 and 16, or not), keys that are a view into a larger
+    buffer (a sliding window's), and a context long enough to split between the threads (3,000 keys): SDPA's
+    output, up to float32 summation order."""
+    g = torch.Generator().manual_seed(n + D)
+    buffer_k, buffer_v = torch.randn(2, 1, Hk, n + 20, D, generator=g) * 2
+    key, value = buffer_k[:, :, 5 : 5 + n], buffer_v[:, :, 5 : 5 + n]  # (1, Hk, n, D), rows n + 20 apart per head
+    q = torch.randn(Hq, D, generator=g)
+    got = _step(Hq, Hk, D).attend(q, key, value, scaling=D**-0.5)
+    want = torch.nn.functional.scaled_dot_product_attention(
+        q.view(1, Hq, 1, D), key, value, scale=D**-0.5, enable_gqa=True
+    )  # (1, Hq, 1, D)
+    torch.testing.assert_close(got, want.reshape(1, Hq * D), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="attend: keys"):
+        _step(Hq, Hk, D).attend(q, key.to(torch.bfloat16), value, scaling=1.0)
+    if n > 1:  # columns not contiguous
+        with pytest.raises(ValueError, match="attend: keys"):
+            _step(Hq, Hk, D).attend(q, key.transpose(2, 3).contiguous().transpose(2, 3), value, scaling=1.0)

@@ -9,6 +9,9 @@ memory's speed on the table.
                    the CPU has it.
     gather_dot.c   the re-rank's exact scores read straight from the key store (methods/pqcache.rerank_exact),
                    instead of a gathered copy of every candidate's key and a matmul over it.
+    layer_step.c   a Gemma 3 decoder layer's one-token step in three calls (serving/decode_layer.py): the norms,
+                   rotary embedding, attention over a window, GELU and residuals around int8_rows.c's products,
+                   instead of two hundred small torch operators.
 
 `python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
 together once per machine with the system's C compiler (`cc`, or $CC; 0.6 s here) into $PQCACHE_KERNEL_DIR
@@ -33,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int8_rows.c", "gather_dot.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("int8_rows.c", "gather_dot.c", "layer_step.c")]
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 OPERANDS = (torch.int8, torch.float32)  # q, scale
 _why_not: list[str] = []  # why library() is None (set when it is)
@@ -100,13 +103,17 @@ def library() -> ctypes.CDLL | None:
     lib.int8_rows_mm.argtypes = [pointer] * 4 + [size] * 3
     lib.gather_dot.restype = None
     lib.gather_dot.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer]
+    lib.layer_qkv.restype = lib.layer_out.restype = lib.attend_row.restype = ctypes.c_int
+    lib.layer_qkv.argtypes = [pointer] * 5
+    lib.layer_out.argtypes = [pointer] * 4
+    lib.attend_row.argtypes = [pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, pointer]
     return lib
 
 
 def status() -> str:
     """One line for logs and benchmarks: whether decode steps use the native kernels, and why not."""
     if library() is not None:
-        return "native kernels (int8_rows.c, gather_dot.c)"
+        return "native kernels (" + ", ".join(path.name for path in SOURCES) + ")"
     return "torch's operators (native kernels unavailable: " + "; ".join(_why_not) + ")"
 
 
@@ -141,6 +148,18 @@ def int8_rows_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
     return Int8Product(q, scale)(x)
 
 
+def int16_rounding(x: torch.Tensor) -> torch.Tensor:
+    """x (R, K) float32 -> x as int8_rows.c rounds it, a * xs (R, K) float32: a the nearest integer to
+    x * (32767 / max|x|), xs = max|x| / 32767, per row, in the same fp32 operations (so the same a). For the
+    bounds of the exact-argmax LM head, which need the rounding the kernel applied. Rows with an inf or a NaN: NaN."""
+    top = x.abs().amax(-1, keepdim=True)  # (R, 1)
+    finite, positive = x.isfinite().all(-1, keepdim=True), top > 0
+    xs = torch.where(positive, top / 32767, 1.0)
+    # a true division, as C's 32767.0f / top (`32767 / top` would be a reciprocal, then a product: rounded twice)
+    inverse = torch.where(positive, torch.div(torch.full_like(top, 32767.0), top), 1.0)
+    return torch.where(finite, torch.round(x * inverse) * xs, float("nan"))
+
+
 def gather_dot(store: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """store (S', D) float32 with unit column stride (rows may be further apart: a view of a larger buffer), pos (n,)
     int64 rows of it, q (R, D) float32 -> (n, R) float32: store[pos] @ q.T without the gathered copy
@@ -157,3 +176,57 @@ def gather_dot(store: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch
     out = torch.empty(n, R)
     library().gather_dot(store.data_ptr(), store.stride(0), pos.data_ptr(), n, q.data_ptr(), R, D, out.data_ptr())
     return out
+
+
+class LayerWeights(ctypes.Structure):
+    """layer_step.c's Layer: a decoder layer's sizes, norm weights and int8 products, by address."""
+
+    _fields_ = [(name, ctypes.c_int64) for name in ("E", "Hq", "Hk", "D", "I")] + [("eps", ctypes.c_double)]
+    _fields_ += [(name, ctypes.c_void_p) for name in ("w_in", "w_qk", "w_post_attn", "w_pre_ff", "w_post_ff")]
+    _fields_ += [(name + "_q", ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")]
+    _fields_ += [(name + "_scale", ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")]
+
+
+class LayerStep:
+    """One Gemma 3 decoder layer's decode step for one token (layer_step.c): qkv, then the caller's cache update,
+    then attend (or the caller's own attention), then out. Needs library() (not None)."""
+
+    def __init__(self, sizes: dict, eps: float, norms: dict, products: dict):
+        """sizes: E, Hq, Hk, D, I. norms: w_in, w_qk (Hq + Hk, D), w_post_attn, w_pre_ff, w_post_ff, float32
+        (1 + each norm's weight). products: qkv, o, gate_up, down -> Int8Product. All kept: C reads their memory."""
+        self.E, self.Hq, self.Hk, self.D, self.I = (sizes[k] for k in ("E", "Hq", "Hk", "D", "I"))
+        self._keep = {k: w.to(torch.float32).contiguous() for k, w in norms.items()}
+        self._keep.update({k: (m.q, m.scale) for k, m in products.items()})
+        fields = {k: w.data_ptr() for k, w in self._keep.items() if k in norms}
+        fields.update({f"{k}_q": m.q.data_ptr() for k, m in products.items()})
+        fields.update({f"{k}_scale": m.scale.data_ptr() for k, m in products.items()})
+        self.weights = LayerWeights(**sizes, eps=eps, **fields)
+        self._pointer = ctypes.byref(self.weights)
+        self._lib = library()
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+        """x (1, E) float32 contiguous, cos, sin_signed (D,) contiguous -> (Hq + 2 Hk, D): the normed, rotated q
+        and k heads, then v (a new tensor each call: the cache may keep views of it)."""
+        out = torch.empty(self.Hq + 2 * self.Hk, self.D)
+        if self._lib.layer_qkv(self._pointer, x.data_ptr(), cos.data_ptr(), sin_signed.data_ptr(), out.data_ptr()):
+            raise MemoryError("layer_qkv: no scratch memory")
+        return out
+
+    def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+        """q (Hq, D) contiguous, key, value (1, Hk, n, D) with contiguous rows (a window's view is fine) and equal
+        strides -> (1, Hq * D): softmax attention of the one query row over all n keys."""
+        n = key.shape[2]
+        if key.stride()[2:] != (self.D, 1) or value.stride() != key.stride() or key.dtype != torch.float32:
+            raise ValueError(f"attend: keys {tuple(key.shape)} strides {key.stride()}, values {value.stride()}")
+        out = torch.empty(1, self.Hq * self.D)
+        args = (q.data_ptr(), self.Hq, key.data_ptr(), value.data_ptr(), self.Hk, key.stride(1), n, self.D)
+        if self._lib.attend_row(*args, scaling, out.data_ptr()):
+            raise MemoryError("attend_row: no scratch memory")
+        return out
+
+    def out(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """x (1, E), attn (1, Hq * D) float32 contiguous -> the layer's output (1, E)."""
+        y = torch.empty(1, self.E)
+        if self._lib.layer_out(self._pointer, x.data_ptr(), attn.data_ptr(), y.data_ptr()):
+            raise MemoryError("layer_out: no scratch memory")
+        return y

@@ -1,22 +1,29 @@
-"""A cheaper LM head whose greedy argmax stays exact: int4, then int8 scores, exact scores for the few that can win.
+"""A cheaper LM head whose greedy argmax stays exact: int8 (or int4, then int8) scores, exact scores for the few
+that can win.
 
 Gemma 3's head is a 262,144 x 640 projection: one decode step reads all of it (671 MB in float32, 335 MB in
-bf16), more than the 18 decoder layers together. Each step here narrows the vocabulary three times:
+bf16), more than the 18 decoder layers together. Each step narrows the vocabulary to the rows that can win, with
+a bound on each approximate score:
+    |h . w_i - score_i| <= sum_g ||h~_g||_2 ||w_ig - w~_ig||_2 + ||h - h~||_1 max_j |w_ij| + roundings
+(w~: the dequantized row, h~: h as the kernel rounds it, g: a group of dimensions, Cauchy-Schwarz in each). A row
+can win when its score plus bound reaches the best score minus its bound.
 
-1. an int4 copy (groups of 32 weights with a bf16 scale and zero each) scores every row, with a bound
-       |h . w_i - score_i| <= sum_g ||bf16(h)_g||_2 ||w_ig - w~_ig||_2 + ||h - bf16(h)||_1 max_j |w_ij| + roundings
-   (w~: the dequantized row, g: a group of 32 dimensions, Cauchy-Schwarz in each); the rows whose score plus
-   bound reaches the best score minus its bound can win (C1: a median of 4,500 of 262,144 on real hidden states);
-2. the int8 copy (one scale per row) scores C1 only, gathered, with the same bound over one group -> C2 (a few);
-   when C1 is large (a flat distribution) the int8 pass reads every row instead, as it did before the int4
-   stage (and does wherever torch lacks the int4 CPU kernel or D is not a multiple of 32);
+With pqcache/native (the default where it built): the int8 copy (one scale per row) scores every row with
+int8_rows.c (h rounded to int16), which reads it near the memory's pace; a median of 1 row is left (7 of 262,144
+at most, on 10 steps of a 32K-token context), and the model's own weights score those exactly.
+With torch's kernels (h rounded to bf16), whose int8 kernel reads at a third of that pace, three stages:
+1. an int4 copy (groups of 32 weights with a bf16 scale and zero each) scores every row (C1: a median of 4,500
+   of 262,144 on real hidden states at 1K tokens, 1,600-14,500 at 32K: the per-group bound is loose);
+2. the int8 copy scores C1 only, gathered, with the same bound over one group -> C2 (a few hundred at most);
+   when C1 is large (a flat distribution) the int8 pass reads every row instead (and does wherever torch lacks
+   the int4 CPU kernel or D is not a multiple of 32);
 3. the model's own weights score C2 exactly.
 
 The argmax of the returned logits is the argmax of the exact head (up to floating-point summation order); every
 other entry is an int4 or int8 score that failed a candidate test, so it is below the winner's exact logit.
 Rows of a longer forward (prefill without logits_to_keep, scoring) use the exact head throughout.
-Memory: the int8 copy is 168 MB; the int4 stage adds about 127 MB (84 MB packed weights, 21 MB scales and zeros,
-22 MB of per-group error norms).
+Memory: the int8 copy is 168 MB; the int4 stage (torch's kernels only) adds about 127 MB (84 MB packed weights,
+21 MB scales and zeros, 22 MB of per-group error norms).
 """
 
 from __future__ import annotations
@@ -25,26 +32,35 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from pqcache import native
 from pqcache.serving.quantize import GROUP, int4_kernel_available, int8_kernel_takes, quantize_int4, quantize_rows
 
 BF16_UNIT = 2.0**-8  # unit roundoff of bf16 (8 significant bits, round to nearest): |bf16(v) - v| <= 2**-8 |v|
-# x |score|: the kernel's bf16 output rounding and, in a bf16 model, the exact head's (of |h.w| <= |score| +
-# bound, the bound's share in SLACK); the extra 2**-6 covers the fp32 rounding of the candidate test itself
+# x |score|: torch's kernels' bf16 output rounding (native's output is float32: a few 2**-24 inside this) and, in a
+# bf16 model, the exact head's (of |h.w| <= |score| + bound, the bound's share in SLACK); the extra 2**-6 covers the
+# fp32 rounding of the candidate test itself
 OUTPUT_ROUNDING = 2 * BF16_UNIT * (1 + 2.0**-6)
 # x the bound: a bf16 model's exact head rounds the error too (2**-8), and the fp32 arithmetic of the bound
 # (norms, sums, one small matmul) is far inside another 2**-8
 SLACK = 1 + 2.0**-7
-# x D * ||bf16(h)||_1 max|w_i|: fp32 accumulation over D terms in a kernel and in the exact head (D * 2**-24 each),
-# and the kernels' fused dequantization (2**-23 of each weight) against ours
+# x D * ||h~||_1 max|w_i|: fp32 accumulation over D terms in a kernel and in the exact head (D * 2**-24 each),
+# and the kernels' fused dequantization (2**-23 of each weight) against ours (native: exact integer sums, then
+# three fp32 roundings, and h~ = a * xs rounded once in fp32)
 ACCUMULATION = 3 * 2.0**-24
 # GROUP (quantize.py): groups of 64 would save 0.3 ms of the int4 kernel but leave 5x the candidates (25K vs 4.5K)
 
 
 class ExactArgmaxHead(nn.Module):
     def __init__(
-        self, head: nn.Linear, max_rows: int = 4, max_candidates: int = 16384, max_int4_candidates: int = 49152
+        self,
+        head: nn.Linear,
+        max_rows: int = 4,
+        max_candidates: int = 16384,
+        max_int4_candidates: int = 49152,
+        use_native: bool = True,
     ):
         """head: the model's LM head (weight (V, D), possibly tied to the embedding; kept, not copied).
+        use_native: score with pqcache/native's int8 kernel where it built (then there is no int4 stage).
         max_rows: forwards with more rows than this use the exact head. max_int4_candidates: when more rows than
         this survive the int4 stage, the int8 stage reads every row (gathering 48K rows of 640 int8 costs under half
         of the full pass here; above 32 MB the gathered copy gets fresh pages from the OS each step and costs more
@@ -65,7 +81,11 @@ class ExactArgmaxHead(nn.Module):
         # the error uses the scale the kernel really multiplies by (bf16), so it covers its rounding too
         err = (w - q.float() * scale.float()[:, None]).norm(dim=1, keepdim=True)  # (V, 1)
         self.register_buffer("slack", (torch.cat([err, row_max], 1) * SLACK).T.contiguous(), persistent=False)  # (2, V)
-        self.int4 = int4_kernel_available() and D % GROUP == 0  # stage 1 runs (decode_probe.py head A/Bs it)
+        # the native kernel reads the same int8 rows and scales (in float32: the bf16 values, so `err` holds)
+        self.native = native.Int8Product(q, scale.float()) if use_native and native.library() is not None else None
+        # torch's int4 stage runs (decode_probe.py head A/Bs it); never beside the native kernel, which reads every
+        # int8 row in about the time torch's int4 kernel takes, with its own rounding of h (activations)
+        self.int4 = self.native is None and int4_kernel_available() and D % GROUP == 0
         if self.int4:
             packed, sz, err4 = quantize_int4(F.pad(w, (0, 0, 0, -V % 64)))  # zero rows up to the kernel's blocks
             self.register_buffer("packed", packed, persistent=False)  # (V', D/2) uint8
@@ -81,12 +101,17 @@ class ExactArgmaxHead(nn.Module):
         return self.head.weight
 
     def activations(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N, D) -> what the stages read: bf16(x) (N, D) for the kernels, the same in fp32, and what max|w_i|
-        is multiplied by in a bound (N, 1): x's bf16 rounding (its actual size) and the accumulation term."""
-        xb = x.to(torch.bfloat16)
-        xq = xb.float()
-        spill = (x.float() - xq).abs().sum(-1, keepdim=True) + xq.abs().sum(-1, keepdim=True) * self.accumulation
-        return xb, xq, spill
+        """x (N, D) -> what the stages read: the kernels' input (N, D) (float32 for native, bf16 for torch's), x as
+        the kernel rounds it h~ (N, D) fp32, and what max|w_i| is multiplied by in a bound (N, 1): that rounding's
+        actual size ||x - h~||_1 and the accumulation term."""
+        x = x.float()
+        if self.native is not None:
+            xk, xq = x, native.int16_rounding(x)
+        else:
+            xk = x.to(torch.bfloat16)
+            xq = xk.float()
+        spill = (x - xq).abs().sum(-1, keepdim=True) + xq.abs().sum(-1, keepdim=True) * self.accumulation
+        return xk, xq, spill
 
     def int4_scores(self, acts) -> tuple[torch.Tensor, torch.Tensor]:
         """-> int4 scores (N, V) and bounds (N, V): |the exact head's logit - score| <= bound."""
@@ -99,12 +124,15 @@ class ExactArgmaxHead(nn.Module):
 
     def int8_scores(self, acts, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> int8 scores (N, k) of the vocabulary rows `rows` (k,) (None: all, k = V) and their bounds (N, k)."""
-        xb, xq, spill = acts
+        xk, xq, spill = acts
         q, scale, slack = self.q, self.scale, self.slack
-        if rows is not None:
-            # embedding's row gather: 0.36 against 0.48 ms for index_select on 4,000 cold int8 rows here (ad hoc)
-            q, scale, slack = F.embedding(rows, q), scale.index_select(0, rows), slack.index_select(1, rows)
-        score = torch.ops.aten._weight_int8pack_mm(xb, q, scale).float()
+        if self.native is not None:  # every row (rows is None: there is no int4 stage)
+            score = self.native(xk)
+        else:
+            if rows is not None:
+                # embedding's row gather: 0.36 against 0.48 ms for index_select on 4,000 cold int8 rows (ad hoc)
+                q, scale, slack = F.embedding(rows, q), scale.index_select(0, rows), slack.index_select(1, rows)
+            score = torch.ops.aten._weight_int8pack_mm(xk, q, scale).float()
         coef = torch.cat([xq.norm(dim=-1, keepdim=True), spill], 1)  # (N, 2)
         return score, (coef @ slack).add_(score.abs(), alpha=OUTPUT_ROUNDING)
 

@@ -1,0 +1,215 @@
+/* One Gemma 3 decoder layer's decode step for one token, in three calls: the layer's own arithmetic, without the
+   two hundred small torch operators it takes in Python (five RMSNorms of seven operators each, the rotary
+   embedding, SDPA's setup, GELU, residuals; a few microseconds each, whatever their size).
+
+   layer_qkv   input norm, the stacked q/k/v product, the q and k heads' norms and the rotary embedding
+   attend_row  softmax attention of one token's query heads over the keys it attends to (a sliding window's, or
+               a full-attention layer's of a DynamicCache), grouped query heads sharing a key/value head
+   layer_out   o projection, post-attention norm and residual, pre-feedforward norm, gate/up, GELU (tanh), down,
+               post-feedforward norm and residual
+
+   The products are int8_rows.c's (the same int16 rounding of each input row and exact integer sums), so each
+   matches native.Int8Product to the bit on the same input. The rest is float32 arithmetic in the same formulas as
+   transformers' Gemma3DecoderLayer (sums of squares in double), in another order than torch's kernels: a few
+   units in the last place, which the int16 rounding of the next product can turn into 1e-5 of its output
+   (tests/test_decode_layer.py). The caller keeps the cache: layer_qkv's k and v rows go into it, and attend_row
+   reads the keys and values it returns. */
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+int int8_rows_mm(const float *x, const int8_t *q, const float *scale, float *y, int64_t R, int64_t N, int64_t K);
+
+/* pqcache/native/__init__.py's LayerWeights mirrors this (ctypes.Structure, same field order and types) */
+typedef struct {
+  int64_t E, Hq, Hk, D, I; /* hidden size, query heads, key/value heads, head size, intermediate size */
+  double eps;
+  /* 1 + each norm's weight: (E,) each; w_qk (Hq + Hk, D), the q norm's row for every q head, then k's */
+  const float *w_in, *w_qk, *w_post_attn, *w_pre_ff, *w_post_ff;
+  /* int8 rows and their float32 scales: qkv ((Hq + 2 Hk) D, E), o (E, Hq D), gate_up (2 I, E), down (E, I) */
+  const int8_t *qkv_q, *o_q, *gate_up_q, *down_q;
+  const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
+} Layer;
+
+static float dot(const float *a, const float *b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#if defined(__AVX512F__)
+  __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
+    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+  }
+  s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+#endif
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+/* y = x * rsqrt(mean(x^2) + eps) * w, in that order (torch's rms_norm); y may be x */
+static void rms_norm(const float *x, const float *w, float *y, int64_t n, double eps) {
+  double squares = 0.0;
+  for (int64_t i = 0; i < n; i++) squares += (double)x[i] * x[i];
+  float r = (float)(1.0 / sqrt(squares / (double)n + eps));
+  for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
+}
+
+static float gelu_tanh(float x) { /* torch's gelu(approximate="tanh") */
+  const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
+  return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x)));
+}
+
+/* x (E,) -> qkv (Hq + 2 Hk, D): the normed, rotated q and k heads, then the v heads. cos, sin_signed (D,): the
+   step's rotary embedding, sin's first half negated (x * cos + roll(x, D / 2) * sin_signed is rotate_half's form).
+   Returns 0, or -1 when scratch memory could not be allocated. */
+int layer_qkv(const Layer *L, const float *x, const float *cos, const float *sin_signed, float *qkv) {
+  int64_t E = L->E, D = L->D, half = L->D / 2, heads = L->Hq + 2 * L->Hk;
+  float *h = malloc(sizeof(float) * (E > D ? E : D));
+  if (h == NULL) return -1;
+  rms_norm(x, L->w_in, h, E, L->eps);
+  int failed = int8_rows_mm(h, L->qkv_q, L->qkv_scale, qkv, 1, heads * D, E);
+  for (int64_t r = 0; !failed && r < L->Hq + L->Hk; r++) {
+    float *t = qkv + r * D;
+    rms_norm(t, L->w_qk + r * D, h, D, L->eps);
+    for (int64_t i = 0; i < D; i++) t[i] = h[i] * cos[i] + (i < half ? h[i + half] : h[i - half]) * sin_signed[i];
+  }
+  free(h);
+  return failed;
+}
+
+/* s[h * n + j] = scaling q_h . k_j for the g query rows q (g, D) of one key/value head and its keys j0..j1 (row j
+   at k + j * D) */
+static void scores(const float *q, int64_t g, const float *k, int64_t j0, int64_t j1, int64_t D, float scaling,
+                   float *s, int64_t n) {
+  int64_t j = j0;
+#if defined(__AVX512F__)
+  if (g <= 4 && D % 16 == 0)
+    /* four keys against four query rows at a time: 8 loads for 16 FMAs (one key at a time: 5 for 4) */
+    for (; j + 4 <= j1; j += 4) {
+      __m512 acc[4][4];
+      for (int a = 0; a < 4; a++)
+        for (int h = 0; h < 4; h++) acc[a][h] = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) {
+        __m512 kd[4], qd[4];
+        for (int a = 0; a < 4; a++) kd[a] = _mm512_loadu_ps(k + (j + a) * D + d);
+        for (int h = 0; h < 4; h++) qd[h] = _mm512_loadu_ps(q + (h < g ? h : g - 1) * D + d);
+        for (int a = 0; a < 4; a++)
+          for (int h = 0; h < 4; h++) acc[a][h] = _mm512_fmadd_ps(kd[a], qd[h], acc[a][h]);
+      }
+      for (int h = 0; h < g; h++)
+        for (int a = 0; a < 4; a++) s[h * n + j + a] = _mm512_reduce_add_ps(acc[a][h]) * scaling;
+    }
+#endif
+  for (; j < j1; j++)
+    for (int64_t h = 0; h < g; h++) s[h * n + j] = dot(q + h * D, k + j * D, D) * scaling;
+}
+
+/* o (g, D) += sum over keys j0..j1 of p[h * n + j] v_j, for the g query rows of one key/value head */
+static void weighted_values(const float *p, int64_t g, const float *v, int64_t j0, int64_t j1, int64_t D, float *o,
+                            int64_t n) {
+#if defined(__AVX512F__)
+  if (g <= 4 && D % 64 == 0) {
+    /* 64 columns of every query row held in 16 registers while the keys stream past: no stores in the loop */
+    for (int64_t d = 0; d < D; d += 64) {
+      __m512 acc[4][4];
+      for (int h = 0; h < 4; h++)
+        for (int c = 0; c < 4; c++) acc[h][c] = _mm512_setzero_ps();
+      for (int64_t j = j0; j < j1; j++) {
+        __m512 vd[4];
+        for (int c = 0; c < 4; c++) vd[c] = _mm512_loadu_ps(v + j * D + d + 16 * c);
+        for (int h = 0; h < 4 && h < g; h++) {
+          __m512 ph = _mm512_set1_ps(p[h * n + j]);
+          for (int c = 0; c < 4; c++) acc[h][c] = _mm512_fmadd_ps(ph, vd[c], acc[h][c]);
+        }
+      }
+      for (int h = 0; h < g; h++)
+        for (int c = 0; c < 4; c++) {
+          float *out = o + h * D + d + 16 * c;
+          _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), acc[h][c]));
+        }
+    }
+    return;
+  }
+#endif
+  for (int64_t j = j0; j < j1; j++)
+    for (int64_t h = 0; h < g; h++)
+      for (int64_t i = 0; i < D; i++) o[h * D + i] += p[h * n + j] * v[j * D + i];
+}
+
+/* q (Hq, D) -> out (Hq, D): softmax(scaling q . k_j) over the n keys, times the values. k and v: key/value head
+   c's row j at k[c * head_stride + j * D]. Query head h reads key/value head h / (Hq / Hk). Long contexts (a
+   full-attention layer) split the keys between the threads, each with its own partial sums. Returns 0, or -1
+   when scratch memory could not be allocated. */
+int attend_row(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride, int64_t n,
+               int64_t D, float scaling, float *out) {
+  int64_t group = Hq / Hk;
+  int threads = n >= 2048 ? omp_get_max_threads() : 1;
+  float *s = malloc(sizeof(float) * Hq * n);             /* (Hq, n) scores, then unnormalised probabilities */
+  float *part = calloc(threads * Hq * D, sizeof(float)); /* (threads, Hq, D) each thread's sum of p v */
+  double *total = calloc(Hq, sizeof(double));
+  if (s == NULL || part == NULL || total == NULL) {
+    free(s);
+    free(part);
+    free(total);
+    return -1;
+  }
+#pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t j0 = n * t / nt, j1 = n * (t + 1) / nt; /* this thread's keys, for the scores and the values */
+    for (int64_t c = 0; c < Hk; c++)
+      scores(q + c * group * D, group, k + c * head_stride, j0, j1, D, scaling, s + c * group * n, n);
+#pragma omp barrier
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < Hq; h++) {
+      float top = -INFINITY, *row = s + h * n;
+      for (int64_t j = 0; j < n; j++) top = row[j] > top ? row[j] : top;
+      double sum = 0.0;
+      for (int64_t j = 0; j < n; j++) sum += row[j] = expf(row[j] - top);
+      total[h] = sum;
+    }
+    for (int64_t c = 0; c < Hk; c++)
+      weighted_values(s + c * group * n, group, v + c * head_stride, j0, j1, D, part + (t * Hq + c * group) * D, n);
+  }
+  for (int64_t i = 0; i < Hq * D; i++) {
+    float sum = 0.0f;
+    for (int t = 0; t < threads; t++) sum += part[t * Hq * D + i];
+    out[i] = (float)(sum / total[i / D]);
+  }
+  free(s);
+  free(part);
+  free(total);
+  return 0;
+}
+
+/* x (E,), the attention's output attn (Hq D,) -> y (E,): the rest of the layer (y may not be x) */
+int layer_out(const Layer *L, const float *x, const float *attn, float *y) {
+  int64_t E = L->E, I = L->I;
+  float *t = malloc(sizeof(float) * E), *h = malloc(sizeof(float) * E), *gu = malloc(sizeof(float) * 3 * I);
+  int failed = t == NULL || h == NULL || gu == NULL;
+  if (!failed) failed = int8_rows_mm(attn, L->o_q, L->o_scale, t, 1, E, L->Hq * L->D);
+  if (!failed) {
+    rms_norm(t, L->w_post_attn, t, E, L->eps);
+    for (int64_t i = 0; i < E; i++) y[i] = x[i] + t[i]; /* the residual stream after attention */
+    rms_norm(y, L->w_pre_ff, h, E, L->eps);
+    failed = int8_rows_mm(h, L->gate_up_q, L->gate_up_scale, gu, 1, 2 * I, E);
+  }
+  if (!failed) {
+    float *act = gu + 2 * I;
+    for (int64_t i = 0; i < I; i++) act[i] = gelu_tanh(gu[i]) * gu[I + i];
+    failed = int8_rows_mm(act, L->down_q, L->down_scale, t, 1, E, I);
+  }
+  if (!failed) {
+    rms_norm(t, L->w_post_ff, t, E, L->eps);
+    for (int64_t i = 0; i < E; i++) y[i] += t[i];
+  }
+  free(t);
+  free(h);
+  free(gu);
+  return failed ? -1 : 0;
+}
