@@ -10,6 +10,7 @@ python scripts/decode_probe.py ab --seq-len 8192 --what int8           # auto de
 python scripts/decode_probe.py ab --seq-len 32768 --what native        # the native kernels vs torch's operators
 python scripts/decode_probe.py ab --seq-len 32768 --what lmhead        # the LM head: native int8 vs torch's int4+int8
 python scripts/decode_probe.py ab --seq-len 32768 --what step          # layers' step in C (layer_step.c) vs in torch
+python scripts/decode_probe.py ab --seq-len 32768 --what values        # picks' values summed in place vs copied
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
 python scripts/decode_probe.py ab --seq-len 32768 --what budget        # default budget (1/10) vs 1/5 (two forks)
@@ -253,6 +254,10 @@ def settings(model, what: str, cache=None):
 
         ready = onerow.ready
         return (lambda: setattr(onerow, "ready", ready)), (lambda: setattr(onerow, "ready", lambda *_: False))
+    if what == "values":  # A: the picks' values summed where they lie (HostTier.value_sums), B: copied, then summed
+        import pqcache.engine.layer.onerow as onerow
+
+        return (lambda: setattr(onerow, "VALUES_IN_PLACE", True)), (lambda: setattr(onerow, "VALUES_IN_PLACE", False))
     if what == "threads":
         return (lambda: torch.set_num_threads(2)), (lambda: torch.set_num_threads(1))
     if what == "scores":  # A: the re-rank's scores stand in for the picks' keys, B: the picks' keys fetched too
@@ -455,7 +460,7 @@ def main():
     p.add_argument(
         "--what",
         choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow", "int8", "native"]
-        + ["lmhead", "step"],
+        + ["lmhead", "step", "values"],
         default="threads",
         help="ab: what A and B differ in",
     )

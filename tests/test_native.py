@@ -153,9 +153,27 @@ def test_gather_dot_scores_the_rows_where_they_lie(D, R):
             native.gather_dot(store, torch.tensor([3, outside]), q)
 
 
+@pytest.mark.parametrize("D, R, n", [(256, 4, 3000), (72, 1, 50), (8, 3, 300)])
+def test_gather_weighted_sum_sums_the_rows_where_they_lie(D, R, n):
+    """p.T @ store[pos] for rows of a view into a larger buffer, widths on and off the vector path, few rows (one
+    thread) and many (split between the threads), repeated positions: the gathered copy's matmul, up to float32
+    summation order."""
+    g = torch.Generator().manual_seed(D + n)
+    store = torch.randn(2, 3, 500, D, generator=g)[1, 2]  # (500, D), rows D apart inside the buffer
+    pos = torch.randint(0, 500, (n,), generator=g)
+    p = torch.rand(n, R, generator=g)
+    got = native.gather_weighted_sum(store, pos, p)
+    torch.testing.assert_close(got, p.T @ store[pos], rtol=1e-5, atol=1e-4)
+    with pytest.raises(IndexError, match="outside 500 rows"):
+        native.gather_weighted_sum(store, torch.tensor([3, 500]), p[:2])
+    with pytest.raises(ValueError, match="gather_weighted_sum"):
+        native.gather_weighted_sum(store, pos, p[:-1])
+
+
 def test_the_host_tiers_key_scores_read_across_a_forks_two_parts():
     """A fork's tier keeps the parent's tokens (shared) and its own: scores of positions on both sides of the
-    seam, for every row and head, match the gathered keys' products."""
+    seam, for every row and head, match the gathered keys' products, and the values' weighted sums the gathered
+    values'."""
     from pqcache.engine.layer.host import HostTier
 
     g = torch.Generator().manual_seed(3)
@@ -172,6 +190,11 @@ def test_the_host_tiers_key_scores_read_across_a_forks_two_parts():
     keys = tier.key_rows(bh, pos.reshape(-1)).view(B, H, 25, D)
     torch.testing.assert_close(got, keys @ q.transpose(-1, -2), rtol=1e-5, atol=1e-5)
     assert HostTier(B, H, D, torch.bfloat16, torch.device("cpu")).key_scores(pos, q) is None  # torch's way there
+    # the values' weighted sums across the same seam
+    p = torch.rand(B, H, 25, 2, generator=g)
+    values = tier.values(0, 49)  # (B, H, 49, D)
+    want = p.transpose(-1, -2) @ torch.gather(values, 2, pos[..., None].expand(B, H, 25, D))
+    torch.testing.assert_close(tier.value_sums(pos, p), want, rtol=1e-5, atol=1e-5)
 
 
 def _step(Hq: int, Hk: int, D: int) -> native.LayerStep:

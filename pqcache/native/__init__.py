@@ -8,7 +8,8 @@ memory's speed on the table.
                    the bf16 rounding of torch's kernel) and sums exact integer products, with AVX-512 VNNI where
                    the CPU has it.
     gather_dot.c   the re-rank's exact scores read straight from the key store (methods/pqcache.rerank_exact),
-                   instead of a gathered copy of every candidate's key and a matmul over it.
+                   instead of a gathered copy of every candidate's key and a matmul over it; and the attention's
+                   weighted sum over the picks' values, read where they lie (layer/onerow.py).
     layer_step.c   a Gemma 3 decoder layer's one-token step in three calls (serving/decode_layer.py): the norms,
                    rotary embedding, attention over a window, GELU and residuals around int8_rows.c's products,
                    instead of two hundred small torch operators.
@@ -103,6 +104,8 @@ def library() -> ctypes.CDLL | None:
     lib.int8_rows_mm.argtypes = [pointer] * 4 + [size] * 3
     lib.gather_dot.restype = None
     lib.gather_dot.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer]
+    lib.gather_weighted_sum.restype = ctypes.c_int
+    lib.gather_weighted_sum.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer]
     lib.layer_qkv.restype = lib.layer_out.restype = lib.attend_row.restype = ctypes.c_int
     lib.layer_qkv.argtypes = [pointer] * 5
     lib.layer_out.argtypes = [pointer] * 4
@@ -146,6 +149,25 @@ class Int8Product:
 def int8_rows_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x (R, K) float, q (N, K) int8, scale (N,) float32 -> (R, N) float32 (Int8Product, once)."""
     return Int8Product(q, scale)(x)
+
+
+def gather_weighted_sum(store: torch.Tensor, pos: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """store (S', D) float32 with unit column stride, pos (n,) int64 rows of it, p (n, R) float32 weights ->
+    (R, D) float32: p.T @ store[pos] without the gathered copy (gather_dot.c). Positions outside the store raise
+    IndexError. Needs library() (not None)."""
+    if store.dtype != torch.float32 or store.stride(1) != 1 or p.shape[0] != pos.numel():
+        raise ValueError(f"gather_weighted_sum: store {tuple(store.shape)} {store.dtype}, p {tuple(p.shape)}")
+    p, pos = p.to(torch.float32).contiguous(), pos.to(torch.int64).contiguous()
+    n, R = p.shape
+    if n:
+        low, high = torch.aminmax(pos)
+        if low < 0 or high >= store.shape[0]:
+            raise IndexError(f"gather_weighted_sum: positions {int(low)}..{int(high)} outside {store.shape[0]} rows")
+    out = torch.empty(R, store.shape[1])
+    args = (store.data_ptr(), store.stride(0), pos.data_ptr(), n, p.data_ptr(), R, store.shape[1], out.data_ptr())
+    if library().gather_weighted_sum(*args):
+        raise MemoryError("gather_weighted_sum: no memory for the partial sums")
+    return out
 
 
 def int16_rounding(x: torch.Tensor) -> torch.Tensor:

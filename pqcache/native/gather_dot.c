@@ -9,7 +9,9 @@
    The sums are float32 in a fixed order for every key (16 lanes of every 16th column, then the lanes added as a
    tree): the same on every thread count, not torch's order, so the scores differ from a torch matmul's in the
    last bits. */
+#include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -60,4 +62,38 @@ void gather_dot(const float *keys, int64_t stride, const int64_t *pos, int64_t n
     const float *k = keys + pos[i] * stride;
     for (int64_t r0 = 0; r0 < R; r0 += 4) dot_rows(k, q + r0 * D, R - r0 < 4 ? R - r0 : 4, D, out + i * R + r0);
   }
+}
+
+/* out (R, D) = sum over i of p[i * R + r] * values[pos[i]]: the attention's weighted sum over the picks, each
+   value row read where it lies (the transpose of gather_dot: the picks' values are never gathered into a copy).
+   Each thread sums its share of the rows into its own partial (R x D floats, R <= 4 on the vector path), and the
+   partials are added in thread order. Returns 0, or -1 when the partials could not be allocated. */
+int gather_weighted_sum(const float *values, int64_t stride, const int64_t *pos, int64_t n, const float *p,
+                        int64_t R, int64_t D, float *out) {
+  int threads = n >= 256 ? omp_get_max_threads() : 1;
+  float *part = calloc((size_t)threads * R * D, sizeof(float));
+  if (part == NULL) return -1;
+#pragma omp parallel num_threads(threads)
+  {
+    int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    int64_t i0 = n * t / nt, i1 = n * (t + 1) / nt;
+    float *mine = part + (int64_t)t * R * D;
+    for (int64_t i = i0; i < i1; i++) {
+#if defined(__AVX512F__)
+      if (i + AHEAD < i1) prefetch_row(values + pos[i + AHEAD] * stride, D);
+#endif
+      const float *v = values + pos[i] * stride;
+      for (int64_t r = 0; r < R; r++) {
+        float w = p[i * R + r], *o = mine + r * D;
+        for (int64_t d = 0; d < D; d++) o[d] += w * v[d];
+      }
+    }
+  }
+  for (int64_t j = 0; j < R * D; j++) {
+    float total = 0.0f;
+    for (int t = 0; t < threads; t++) total += part[(int64_t)t * R * D + j];
+    out[j] = total;
+  }
+  free(part);
+  return 0;
 }

@@ -27,12 +27,12 @@ def masked_attention(
     Q = mask.shape[2]
     G = R // Q
     if known is None:
-        att = _dot(q, keys) * scaling
+        att = query_key_dots(q, keys) * scaling
     else:
         lo, scores = known
         hi = lo + scores.shape[2]
-        parts = [_dot(q, keys[:, :, :lo]) * scaling, scores.transpose(-1, -2).to(q.dtype)]
-        att = torch.cat(parts + [_dot(q, keys[:, :, hi:]) * scaling], dim=-1)
+        parts = [query_key_dots(q, keys[:, :, :lo]) * scaling, scores.transpose(-1, -2).to(q.dtype)]
+        att = torch.cat(parts + [query_key_dots(q, keys[:, :, hi:]) * scaling], dim=-1)
     att = att.view(B, H, G, Q, -1)
     if softcap is not None:  # Gemma 2 style logit soft-capping
         att = torch.tanh(att / softcap) * softcap
@@ -42,7 +42,7 @@ def masked_attention(
     return out.view(B, H * G, Q, D).transpose(1, 2), probs
 
 
-def _dot(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+def query_key_dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """q (B, H, R, D), keys (B, H, n, D) -> q.k (B, H, R, n), contiguous."""
     if q.shape[2] <= 16:  # a decode step: keys (n, D) @ q^T (D, R) streams the keys once; q @ keys^T was 3x slower
         return (keys @ q.transpose(-1, -2)).transpose(-1, -2).contiguous()

@@ -136,6 +136,25 @@ class HostTier:
                     out[b, h, idx] = native.gather_dot(store[b, h], local, q[b, h])
         return out
 
+    def value_sums(self, pos: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
+        """pos (B, H, k) positions on the host, p (B, H, k, R) weights -> (B, H, R, D) = p^T V[pos], each value
+        read where it lies (native.gather_weighted_sum), or None where that kernel is not there or the values are
+        not float32 (the caller gathers them)."""
+        if self.dtype != torch.float32 or native.library() is None:
+            return None
+        self.sync()
+        B, H, k = pos.shape
+        out = torch.zeros((B, H, p.shape[3], self.D))
+        p = p.to(self.host, torch.float32)
+        for b in range(B):
+            for h in range(H):
+                if self.S0 == 0:
+                    out[b, h] = native.gather_weighted_sum(self.own_v[b, h], pos[b, h], p[b, h])
+                    continue
+                for idx, store, local in self._parts(self.shared_v, self.own_v, pos[b, h]):
+                    out[b, h] += native.gather_weighted_sum(store[b, h], local, p[b, h, idx])
+        return out
+
     def gather(self, pos: torch.Tensor, device=None) -> tuple[torch.Tensor, torch.Tensor]:
         """pos (B, n) -> K, V (B, H, n, D): the same positions for every head of a row."""
         B, H, n = self.B, self.H, pos.shape[1]

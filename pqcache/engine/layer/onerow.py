@@ -13,14 +13,22 @@ picks' values are copied into the buffer directly (no block cache to consult), t
 and ring are all real tokens is known, and no timeline span or observer hook runs: about 190 top-level operators
 at 8K (docs/benchmarks.md, seventh pass). Anything else (a padded row, a new token that is
 not real, a second codebook segment, OPQ, an observer, a block cache) takes PQLayer.attend.
+
+Where pqcache/native built and the host tier holds float32 (a CPU), the picks' values are not copied at all: the
+attention's weighted sum over them reads each where it lies in the host tier (HostTier.value_sums), and the
+window's part and the new token's are added. The same softmax, another summation order: within float32 rounding
+of PQLayer.attend's output, the same picks (tests/test_onerow.py).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pqcache.engine.layer.attention import masked_attention
+from pqcache import native
+from pqcache.engine.layer.attention import masked_attention, query_key_dots
 from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
+
+VALUES_IN_PLACE = True  # the picks' values read in place (the tests switch it off to compare with the general step)
 
 
 def ready(layer, query: torch.Tensor) -> bool:
@@ -78,8 +86,12 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
         if wide != k:
             top, top_valid, scores = rerank_exact(host, qs, top, top_valid, [k], mode)
 
-    # the picks into the buffer after the sinks and ring (values only when the re-rank scored their keys)
     kk, lo = top.shape[2], window.n_init + window.L
+    in_place = VALUES_IN_PLACE and scores is not None and softcap is None and host.dtype == torch.float32
+    if in_place and native.library() is not None:
+        out = _attend_in_place(q, window, lo, (top, top_valid, scores), k_new, v_new, new_valid, host, scaling)
+        return _append(layer, state, index, top, top_valid, k_new, v_new, new_valid, out)
+    # the picks into the buffer after the sinks and ring (values only when the re-rank scored their keys)
     window.ensure(kk, 1)
     bh = torch.arange(H).repeat_interleave(kk)
     picked_k, picked_v = host.rows(bh, top.to(host.host).reshape(-1), keys=scores is None)
@@ -94,8 +106,29 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     keys, values = window.k[:, :, : lo + kk + 1], window.v[:, :, : lo + kk + 1]
     known = None if scores is None else (lo, scores)
     out, _ = masked_attention(q, keys, values, mask, scaling, softcap, known)
+    return _append(layer, state, index, top, top_valid, k_new, v_new, new_valid, out)
 
-    # the new token: host tier, flags, its ring slot, its codes (PQLayer._append)
+
+def _attend_in_place(q, window, lo: int, picks, k_new, v_new, new_valid, host, scaling: float) -> torch.Tensor:
+    """masked_attention's softmax over the window's sinks and ring (keys and values in the buffer), the picks
+    (their exact scores from the re-rank, their values read in the host tier) and the new token -> (1, 1, Hq, D)."""
+    top, top_valid, scores = picks  # (1, H, k), (1, H, k), (1, H, k, G)
+    _, H, G, D = q.shape
+    kk = top.shape[2]
+    window_scores = query_key_dots(q, window.k[:, :, :lo]) * scaling  # (1, H, G, lo)
+    att = torch.cat([window_scores, scores.transpose(-1, -2), query_key_dots(q, k_new) * scaling], -1)
+    hidden = torch.cat([~top_valid, ~new_valid.view(1, 1, 1).expand(1, H, 1)], -1)  # (1, H, k + 1)
+    att[..., lo:].masked_fill_(hidden[:, :, None, :], float("-inf"))
+    probs = att.softmax(dim=-1)  # (1, H, G, lo + k + 1)
+    out = probs[..., :lo] @ window.v[:, :, :lo] + probs[..., lo + kk :] @ v_new  # (1, H, G, D)
+    out += host.value_sums(top.to(host.host), probs[..., lo : lo + kk].transpose(-1, -2)).to(out.device)
+    return out.view(1, H * G, 1, D).transpose(1, 2)
+
+
+def _append(layer, state, index, top, top_valid, k_new, v_new, new_valid, out) -> torch.Tensor:
+    """The new token into the host tier, flags, its ring slot, its codes (PQLayer._append); the step's
+    selection and counters. Returns out."""
+    host, window = layer.host, layer.window
     layer.last_selection = (top, top_valid)
     start = host.append(k_new, v_new)
     host.valid[:, start : start + 1] = new_valid
