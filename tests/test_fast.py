@@ -441,6 +441,7 @@ def test_bench_kernels_rows():
         ("decoder linears", "int4 groups"),
         ("LM head", "int4 groups"),
         ("LM head", "int8 rows"),
+        ("LM head", "int8 rows, native"),
         ("re-rank scores", "float32 keys, gathered"),
         ("re-rank scores", "float32 keys, native"),
     ]

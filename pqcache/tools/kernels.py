@@ -85,6 +85,7 @@ def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: b
         h = torch.randn(1, E, generator=g)
         packed, sz, _ = quantize_int4(F.pad(w, (0, 0, 0, -V % 64)))
         q8 = Int8Rows(w, use_native=False)
+        q8n = Int8Rows(w) if native.library() is not None else None  # what the exact-argmax head reads with it
         del w
         hb = h.to(torch.bfloat16)
 
@@ -95,6 +96,8 @@ def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: b
             ("LM head", "int4 groups", packed.numel() + 2 * sz.numel(), head4),
             ("LM head", "int8 rows", q8.nbytes, lambda: q8.mm(h)),
         ]
+        if q8n is not None:
+            cases.append(("LM head", "int8 rows, native", q8n.nbytes, lambda: q8n.mm(h)))
     cases += rerank_cases(config, g)
     rows = []
     for what, weights, nbytes, fn in cases:
