@@ -392,13 +392,14 @@ def ab(args):
 
 
 def head(args):
-    """The LM head (262,144 x 640): its int8 and int4 kernels, then the exact-argmax head (pqcache/serving/lmhead.py)
-    with its int4 stage and without it (the int8 pass over every row), A/B in one process, and how many candidates
-    each stage leaves on real hidden states."""
-    from pqcache.serving.lmhead import GROUP
+    """The LM head (262,144 x 640): torch's int8 and int4 kernels, then the exact-argmax head on torch's kernels
+    (pqcache/serving/lmhead.py) with its int4 stage and without it (the int8 pass over every row), A/B in one
+    process, and how many candidates each stage leaves on real hidden states. The head the model runs with the
+    native kernel: `ab --what lmhead`."""
+    from pqcache.serving.lmhead import GROUP, ExactArgmaxHead
 
     model, tok = load_model("default", device="cpu", progress=lambda *_: None)
-    fast = model.lm_head
+    fast = ExactArgmaxHead(model.lm_head.head, use_native=False)
     V = fast.q.shape[0]
     with torch.no_grad():
         h = model.model(input_ids=torch.tensor([prompt_ids(tok, 1024)])).last_hidden_state[0, ::4]  # (256, D)
