@@ -10,6 +10,7 @@ from transformers import DynamicCache
 
 import pqcache.serving.decode_layer as decode_layer
 from pqcache import PQCache, PQCacheConfig, native
+from pqcache.engine.layer import onerow
 from pqcache.serving.decode_layer import FastDecodeLayer, install_fast_decode
 from pqcache.serving.decode_weights import install_decode_weights
 from pqcache.serving.generate import decode_one_token, prefill
@@ -77,8 +78,10 @@ def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch,
     forward: the same logits from contexts shorter than the sliding window (24 tokens: its mask, which the step
     does not pass, is all ones either way) to longer ones, with grouped query heads and without, for full
     attention and PQCache at full and small budgets; with an observer attached (the app's live panels) the
-    model's forward runs, with the same logits again. The layers' step in torch (in C: the next test)."""
+    model's forward runs, with the same logits again. The layers' step in torch (in C: the next test), the picks'
+    values copied as the general step copies them (the observed forward takes it)."""
     monkeypatch.setattr(decode_layer, "NATIVE_STEP", False)
+    monkeypatch.setattr(onerow, "VALUES_IN_PLACE", False)
     model = _gemma3(seed=2, kv_heads=kv_heads)
     install_decode_weights(model)
     install_fast_decode(model)
