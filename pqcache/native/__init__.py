@@ -238,7 +238,8 @@ class LayerStep:
         """q (Hq, D) contiguous, key, value (1, Hk, n, D) with contiguous rows (a window's view is fine) and equal
         strides -> (1, Hq * D): softmax attention of the one query row over all n keys."""
         n = key.shape[2]
-        if key.stride()[2:] != (self.D, 1) or value.stride() != key.stride() or key.dtype != torch.float32:
+        same = value.stride() == key.stride() and value.dtype == key.dtype == torch.float32
+        if key.stride()[2:] != (self.D, 1) or not same:
             raise ValueError(f"attend: keys {tuple(key.shape)} strides {key.stride()}, values {value.stride()}")
         out = torch.empty(1, self.Hq * self.D)
         args = (q.data_ptr(), self.Hq, key.data_ptr(), value.data_ptr(), self.Hk, key.stride(1), n, self.D)

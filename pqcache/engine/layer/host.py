@@ -117,11 +117,16 @@ class HostTier:
             if idx.numel():
                 yield idx, store, pos[idx] - offset
 
+    @property
+    def reads_in_place(self) -> bool:
+        """Whether key_scores and value_sums read rows where they lie: float32 rows and the native kernels built."""
+        return self.dtype == torch.float32 and native.library() is not None
+
     def key_scores(self, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
         """pos (B, H, k) positions on the host, q (B, H, R, D) -> exact scores (B, H, k, R) = K[pos] . q, each key
         read where it lies (native.gather_dot: no gathered copy), or None where that kernel is not there or the
         keys are not float32 (the caller gathers and multiplies)."""
-        if self.dtype != torch.float32 or native.library() is None:
+        if not self.reads_in_place:
             return None
         self.sync()
         B, H, k = pos.shape
@@ -140,7 +145,7 @@ class HostTier:
         """pos (B, H, k) positions on the host, p (B, H, k, R) weights -> (B, H, R, D) = p^T V[pos], each value
         read where it lies (native.gather_weighted_sum), or None where that kernel is not there or the values are
         not float32 (the caller gathers them)."""
-        if self.dtype != torch.float32 or native.library() is None:
+        if not self.reads_in_place:
             return None
         self.sync()
         B, H, k = pos.shape

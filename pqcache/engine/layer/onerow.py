@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import torch
 
-from pqcache import native
 from pqcache.engine.layer.attention import masked_attention, query_key_dots
 from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
 
@@ -87,8 +86,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
             top, top_valid, scores = rerank_exact(host, qs, top, top_valid, [k], mode)
 
     kk, lo = top.shape[2], window.n_init + window.L
-    in_place = VALUES_IN_PLACE and scores is not None and softcap is None and host.dtype == torch.float32
-    if in_place and native.library() is not None:
+    if VALUES_IN_PLACE and scores is not None and softcap is None and host.reads_in_place:
         out = _attend_in_place(q, window, lo, (top, top_valid, scores), k_new, v_new, new_valid, host, scaling)
         return _append(layer, state, index, top, top_valid, k_new, v_new, new_valid, out)
     # the picks into the buffer after the sinks and ring (values only when the re-rank scored their keys)
