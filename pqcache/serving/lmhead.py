@@ -10,10 +10,11 @@ can win when its score plus bound reaches the best score minus its bound.
 
 With pqcache/native (the default where it built): the int8 copy (one scale per row) scores every row with
 int8_rows.c (h rounded to int16), which reads it near the memory's pace; a median of 1 row is left (7 of 262,144
-at most, on 10 steps of a 32K-token context), and the model's own weights score those exactly.
+at most, on 10 steps of a 32K-token context, ad hoc), and the model's own weights score those exactly.
 With torch's kernels (h rounded to bf16), whose int8 kernel reads at a third of that pace, three stages:
 1. an int4 copy (groups of 32 weights with a bf16 scale and zero each) scores every row (C1: a median of 4,500
-   of 262,144 on real hidden states at 1K tokens, 1,600-14,500 at 32K: the per-group bound is loose);
+   of 262,144 on real hidden states at 1K tokens, `decode_probe.py head`; 1,600-14,500 at 32K, ad hoc: the
+   per-group bound is loose);
 2. the int8 copy scores C1 only, gathered, with the same bound over one group -> C2 (a few hundred at most);
    when C1 is large (a flat distribution) the int8 pass reads every row instead (and does wherever torch lacks
    the int4 CPU kernel or D is not a multiple of 32);
