@@ -11,6 +11,8 @@ python scripts/decode_probe.py ab --seq-len 32768 --what native        # the nat
 python scripts/decode_probe.py ab --seq-len 32768 --what lmhead        # the LM head: native int8 vs torch's int4+int8
 python scripts/decode_probe.py ab --seq-len 32768 --what step          # layers' step in C (layer_step.c) vs in torch
 python scripts/decode_probe.py ab --seq-len 32768 --what values        # picks' values summed in place vs copied
+python scripts/decode_probe.py ab --seq-len 32768 --what select        # PQ search and re-rank's top-k in C vs torch
+python scripts/decode_probe.py ab --seq-len 32768 --what attention     # PQ layers' attention in one C call vs torch
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
 python scripts/decode_probe.py ab --seq-len 32768 --what budget        # default budget (1/10) vs 1/5 (two forks)
@@ -258,6 +260,18 @@ def settings(model, what: str, cache=None):
         import pqcache.engine.layer.onerow as onerow
 
         return (lambda: setattr(onerow, "VALUES_IN_PLACE", True)), (lambda: setattr(onerow, "VALUES_IN_PLACE", False))
+    if what == "select":  # A: PQCache's selection in C (native/select.py), B: in torch's operators
+        import pqcache.engine.methods.pqcache as method
+
+        return (lambda: setattr(method, "NATIVE_SELECT", True)), (lambda: setattr(method, "NATIVE_SELECT", False))
+    if what == "attention":  # A: the one-row step's attention in one C call (attend_picks), B: torch's, values in place
+        import pqcache.engine.layer.onerow as onerow
+
+        on, off = (
+            (lambda: setattr(onerow, "NATIVE_ATTENTION", True)),
+            (lambda: setattr(onerow, "NATIVE_ATTENTION", False)),
+        )
+        return on, off
     if what == "threads":
         return (lambda: torch.set_num_threads(2)), (lambda: torch.set_num_threads(1))
     if what == "scores":  # A: the re-rank's scores stand in for the picks' keys, B: the picks' keys fetched too
@@ -461,7 +475,7 @@ def main():
     p.add_argument(
         "--what",
         choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow", "int8", "native"]
-        + ["lmhead", "step", "values"],
+        + ["lmhead", "step", "values", "select", "attention"],
         default="threads",
         help="ab: what A and B differ in",
     )

@@ -142,22 +142,28 @@ def test_steps_the_one_row_path_does_not_take(monkeypatch):
 
 
 @pytest.mark.parametrize("setting", ["re-rank of every candidate", "re-rank of 4k", "raw sum over the GQA group"])
-def test_values_read_in_place_keep_the_general_steps_tokens_and_picks(arch, setting, monkeypatch):
-    """With a re-rank the picks' values are summed where they lie in the host tier (HostTier.value_sums, native):
-    the same softmax in another summation order, so the same tokens and picks as the general step, its scores
-    within float32 rounding (the last bits carry into the next steps' keys: those are close, not equal)."""
+@pytest.mark.parametrize("attention", ["torch", "native"])
+def test_values_read_in_place_keep_the_general_steps_tokens_and_picks(arch, setting, attention, monkeypatch):
+    """With a re-rank the picks' values are summed where they lie in the host tier (HostTier.value_sums, native;
+    or the whole attention in one C call, native_select.attend_picks): the same softmax in another summation order,
+    so the same tokens and picks as the general step, its scores within float32 rounding (the last bits carry into
+    the next steps' keys: those are close, not equal)."""
     from pqcache import native
 
     assert native.library() is not None, native.status()
     from pqcache.engine.layer.host import HostTier
+    from pqcache.native import select as native_select
 
-    sums, real_sums = [], HostTier.value_sums
+    sums = []
+    owner, name = (native_select, "attend_picks") if attention == "native" else (HostTier, "value_sums")
+    real_sums = getattr(owner, name)
 
-    def counted(self, pos, p):
-        sums.append(pos.shape[2])
-        return real_sums(self, pos, p)
+    def counted(*args):
+        sums.append(args[5][0].shape[1] if attention == "native" else args[1].shape[2])  # picks per KV head
+        return real_sums(*args)
 
-    monkeypatch.setattr(HostTier, "value_sums", counted)
+    monkeypatch.setattr(onerow, "NATIVE_ATTENTION", attention == "native")
+    monkeypatch.setattr(owner, name, counted)
     model = tiny_model(arch)
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
     cfg = CONFIGS[setting]

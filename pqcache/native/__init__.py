@@ -13,6 +13,8 @@ memory's speed on the table.
     layer_step.c   a Gemma 3 decoder layer's one-token step in three calls (serving/decode_layer.py): the norms,
                    rotary embedding, attention over a window, GELU and residuals around int8_rows.c's products,
                    instead of two hundred small torch operators.
+    pq_select.c    PQCache's selection (methods/pqcache.py): the PQ scores, the GQA combine and the top-k in one
+                   call instead of about 45 operators over every token (wrapped in native/select.py).
 
 `python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
 together once per machine with the system's C compiler (`cc`, or $CC; 0.6 s here) into $PQCACHE_KERNEL_DIR
@@ -37,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int8_rows.c", "gather_dot.c", "layer_step.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("int8_rows.c", "gather_dot.c", "layer_step.c", "pq_select.c")]
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 OPERANDS = (torch.int8, torch.float32)  # q, scale
 _why_not: list[str] = []  # why library() is None (set when it is)
@@ -110,6 +112,11 @@ def library() -> ctypes.CDLL | None:
     lib.layer_qkv.argtypes = [pointer] * 5
     lib.layer_out.argtypes = [pointer] * 4
     lib.attend_row.argtypes = [pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, pointer]
+    lib.attend_picks.restype = lib.pq_search.restype = lib.combine_top.restype = ctypes.c_int
+    lib.attend_picks.argtypes = [pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, size]
+    lib.attend_picks.argtypes += [pointer] * 4 + [size] * 2 + [pointer, size, pointer]
+    lib.pq_search.argtypes = [pointer, size, size, size, pointer, size, size, pointer, ctypes.c_int, size, pointer]
+    lib.combine_top.argtypes = [pointer, size, size, pointer, ctypes.c_int, size, pointer]
     return lib
 
 

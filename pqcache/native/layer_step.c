@@ -5,6 +5,8 @@
    layer_qkv   input norm, the stacked q/k/v product, the q and k heads' norms and the rotary embedding
    attend_row  softmax attention of one token's query heads over the keys it attends to (a sliding window's, or
                a full-attention layer's of a DynamicCache), grouped query heads sharing a key/value head
+   attend_picks  the same over a PQ layer's sinks, ring and new token and its picks, the picks' scores from the
+               re-rank and their values read where they lie in the host tier (layer/onerow.py)
    layer_out   o projection, post-attention norm and residual, pre-feedforward norm, gate/up, GELU (tanh), down,
                post-feedforward norm and residual
 
@@ -141,13 +143,35 @@ static void weighted_values(const float *p, int64_t g, const float *v, int64_t j
       for (int64_t i = 0; i < D; i++) o[h * D + i] += p[h * n + j] * v[j * D + i];
 }
 
-/* q (Hq, D) -> out (Hq, D): softmax(scaling q . k_j) over the n keys, times the values. k and v: key/value head
-   c's row j at k[c * head_stride + j * D]. Query head h reads key/value head h / (Hq / Hk). Long contexts (a
-   full-attention layer) split the keys between the threads, each with its own partial sums. Returns 0, or -1
-   when scratch memory could not be allocated. */
-int attend_row(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride, int64_t n,
-               int64_t D, float scaling, float *out) {
-  int64_t group = Hq / Hk;
+/* A PQ layer's picks (layer/onerow.py): tokens whose scaled scores the re-rank computed and whose values are read
+   where they lie in the host tier, a fork's two parts included. Per key/value head c: scores (count, group) at
+   scores[c * count * group], valid and pos (count,) at [c * count]; position p's value row at shared + c *
+   shared_head + p * D when p < S0 (the parent's part of a fork), else at own + c * own_head + (p - S0) * D. */
+typedef struct {
+  int64_t count, S0, shared_head, own_head;
+  const float *scores, *shared, *own;
+  const uint8_t *valid;
+  const int64_t *pos;
+} Picks;
+
+/* o (g, D) += sum over picks i0..i1 of p[h * n + n_keys + i] v(pos_i): weighted_values for rows read in place */
+static void weighted_picks(const float *p, int64_t g, const Picks *P, int64_t c, int64_t i0, int64_t i1, int64_t D,
+                           float *o, int64_t n, int64_t n_keys) {
+  const int64_t *pos = P->pos + c * P->count;
+  for (int64_t i = i0; i < i1; i++) {
+    const float *v = pos[i] < P->S0 ? P->shared + c * P->shared_head + pos[i] * D
+                                    : P->own + c * P->own_head + (pos[i] - P->S0) * D;
+    for (int64_t h = 0; h < g; h++) {
+      float w = p[h * n + n_keys + i];
+      for (int64_t d = 0; d < D; d++) o[h * D + d] += w * v[d];
+    }
+  }
+}
+
+/* attend_row's attention over the n_keys keys and, after them, the picks (NULL: none) */
+static int attend(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride,
+                  int64_t n_keys, const Picks *P, int64_t D, float scaling, float *out) {
+  int64_t group = Hq / Hk, count = P == NULL ? 0 : P->count, n = n_keys + count;
   int threads = n >= 2048 ? omp_get_max_threads() : 1;
   float *s = malloc(sizeof(float) * Hq * n);             /* (Hq, n) scores, then unnormalised probabilities */
   float *part = calloc(threads * Hq * D, sizeof(float)); /* (threads, Hq, D) each thread's sum of p v */
@@ -161,9 +185,16 @@ int attend_row(const float *q, int64_t Hq, const float *k, const float *v, int64
 #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int64_t j0 = n * t / nt, j1 = n * (t + 1) / nt; /* this thread's keys, for the scores and the values */
-    for (int64_t c = 0; c < Hk; c++)
-      scores(q + c * group * D, group, k + c * head_stride, j0, j1, D, scaling, s + c * group * n, n);
+    int64_t j0 = n * t / nt, j1 = n * (t + 1) / nt; /* this thread's keys and picks, for scores and values */
+    int64_t k0 = j0 < n_keys ? j0 : n_keys, k1 = j1 < n_keys ? j1 : n_keys; /* ...its keys */
+    for (int64_t c = 0; c < Hk; c++) {
+      scores(q + c * group * D, group, k + c * head_stride, k0, k1, D, scaling, s + c * group * n, n);
+      for (int64_t j = k1 > j0 ? k1 : j0; j < j1; j++) { /* its picks: the re-rank's scores */
+        int64_t i = c * count + j - n_keys;
+        for (int64_t h = 0; h < group; h++)
+          s[(c * group + h) * n + j] = P->valid[i] ? P->scores[i * group + h] : -INFINITY;
+      }
+    }
 #pragma omp barrier
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < Hq; h++) {
@@ -173,8 +204,12 @@ int attend_row(const float *q, int64_t Hq, const float *k, const float *v, int64
       for (int64_t j = 0; j < n; j++) sum += row[j] = expf(row[j] - top);
       total[h] = sum;
     }
-    for (int64_t c = 0; c < Hk; c++)
-      weighted_values(s + c * group * n, group, v + c * head_stride, j0, j1, D, part + (t * Hq + c * group) * D, n);
+    for (int64_t c = 0; c < Hk; c++) {
+      float *o = part + (t * Hq + c * group) * D;
+      weighted_values(s + c * group * n, group, v + c * head_stride, k0, k1, D, o, n);
+      if (j1 > n_keys)
+        weighted_picks(s + c * group * n, group, P, c, (k1 > j0 ? k1 : j0) - n_keys, j1 - n_keys, D, o, n, n_keys);
+    }
   }
   for (int64_t i = 0; i < Hq * D; i++) {
     float sum = 0.0f;
@@ -185,6 +220,25 @@ int attend_row(const float *q, int64_t Hq, const float *k, const float *v, int64
   free(part);
   free(total);
   return 0;
+}
+
+/* q (Hq, D) -> out (Hq, D): softmax(scaling q . k_j) over the n keys, times the values. k and v: key/value head
+   c's row j at k[c * head_stride + j * D]. Query head h reads key/value head h / (Hq / Hk). Long contexts (a
+   full-attention layer) split the keys between the threads, each with its own partial sums. Returns 0, or -1
+   when scratch memory could not be allocated. */
+int attend_row(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride, int64_t n,
+               int64_t D, float scaling, float *out) {
+  return attend(q, Hq, k, v, Hk, head_stride, n, NULL, D, scaling, out);
+}
+
+/* attend_row over the n keys (a PQ layer's sinks, ring and new token) and a PQ layer's picks (see Picks): one
+   softmax over both. The picks' keys are never read, their values where they lie. */
+int attend_picks(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride,
+                 int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
+                 const uint8_t *pick_valid, const int64_t *pos, const float *shared, int64_t shared_head, int64_t S0,
+                 const float *own, int64_t own_head, float *out) {
+  Picks P = {count, S0, shared_head, own_head, pick_scores, shared, own, pick_valid, pos};
+  return attend(q, Hq, k, v, Hk, head_stride, n, &P, D, scaling, out);
 }
 
 /* x (E,), the attention's output attn (Hq D,) -> y (E,): the rest of the layer (y may not be x) */

@@ -99,9 +99,10 @@ def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: b
         if q8n is not None:
             cases.append(("LM head", "int8 rows, native", q8n.nbytes, lambda: q8n.mm(h)))
     cases += rerank_cases(config, g)
-    rows = []
+    rows, rates = [], []
     for what, weights, nbytes, fn in cases:
         many, one = _timed(fn, repeats, threads)
+        rates.append(nbytes / many)  # unrounded: a tiny case on a busy machine would round to 0 GB/s
         rows.append(
             {
                 "kernel": what,
@@ -114,9 +115,8 @@ def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: b
                 "thread_speedup": round(one / many, 2),
             }
         )
-    rate = rows[0]["gb_s"]
-    for row in rows:
-        row["of_stream"] = round(row["gb_s"] / rate, 2)
+    for row, rate in zip(rows, rates, strict=True):
+        row["of_stream"] = round(rate / rates[0], 2)
     return rows
 
 

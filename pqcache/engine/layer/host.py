@@ -122,6 +122,12 @@ class HostTier:
         """Whether key_scores and value_sums read rows where they lie: float32 rows and the native kernels built."""
         return self.dtype == torch.float32 and native.library() is not None
 
+    def value_stores(self) -> tuple[torch.Tensor | None, int, torch.Tensor]:
+        """(shared, S0, own): the value rows (B, H, rows, D) of a fork's parent part (None when not a fork) and of
+        this tier's own tokens (position S0 + i at row i), for kernels that read the values where they lie."""
+        self.sync()
+        return (self.shared_v if self.S0 else None), self.S0, self.own_v
+
     def key_scores(self, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
         """pos (B, H, k) positions on the host, q (B, H, R, D) -> exact scores (B, H, k, R) = K[pos] . q, each key
         read where it lies (native.gather_dot: no gathered copy), or None where that kernel is not there or the

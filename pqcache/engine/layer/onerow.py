@@ -16,8 +16,9 @@ not real, a second codebook segment, OPQ, an observer, a block cache) takes PQLa
 
 Where pqcache/native built and the host tier holds float32 (a CPU), the picks' values are not copied at all: the
 attention's weighted sum over them reads each where it lies in the host tier (HostTier.value_sums), and the
-window's part and the new token's are added. The same softmax, another summation order: within float32 rounding
-of PQLayer.attend's output, the same picks (tests/test_onerow.py).
+window's part and the new token's are added; on a CPU the whole attention is one C call (native/select.attend_picks:
+the window's scores, one softmax with the re-rank's scores, the weighted sums). The same softmax, another summation
+order: within float32 rounding of PQLayer.attend's output, the same picks (tests/test_onerow.py).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ import torch
 
 from pqcache.engine.layer.attention import masked_attention, query_key_dots
 from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
+from pqcache.native import select as native_select
 
 VALUES_IN_PLACE = True  # the picks' values read in place (the tests switch it off to compare with the general step)
+NATIVE_ATTENTION = True  # ...and the whole attention in one C call (native/select.attend_picks) on a CPU
 
 
 def ready(layer, query: torch.Tensor) -> bool:
@@ -113,6 +116,16 @@ def _attend_in_place(q, window, lo: int, picks, k_new, v_new, new_valid, host, s
     top, top_valid, scores = picks  # (1, H, k), (1, H, k), (1, H, k, G)
     _, H, G, D = q.shape
     kk = top.shape[2]
+    if NATIVE_ATTENTION and window.k.device.type == "cpu" and window.k.dtype == q.dtype == torch.float32:
+        # one C call: the new token goes into the buffer's first free slot, after the sinks and ring
+        window.ensure(0, 1)
+        window.k[:, :, lo], window.v[:, :, lo] = k_new[:, :, 0], v_new[:, :, 0]
+        n = lo + int(new_valid.view(-1)[0])
+        stores = host.value_stores()
+        out = native_select.attend_picks(
+            q.view(H * G, D), window.k, window.v, n, scaling, (top[0], top_valid[0], scores[0]), stores
+        )
+        return out.view(1, 1, H * G, D)
     window_scores = query_key_dots(q, window.k[:, :, :lo]) * scaling  # (1, H, G, lo)
     att = torch.cat([window_scores, scores.transpose(-1, -2), query_key_dots(q, k_new) * scaling], -1)
     hidden = torch.cat([~top_valid, ~new_valid.view(1, 1, 1).expand(1, H, 1)], -1)  # (1, H, k + 1)

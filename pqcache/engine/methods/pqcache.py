@@ -24,6 +24,9 @@ from pqcache.engine.methods.base import (
     select_top,
     topk_positions,
 )
+from pqcache.native import select as native_select
+
+NATIVE_SELECT = True  # the selection in C where it can (native/select.py); tests switch it off to compare with torch
 
 
 @dataclass
@@ -95,6 +98,9 @@ def search(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], m
     k_max = min(max(ks), S)
     if index.use_tuples and S >= 2 * index.n_tuples:  # below that, per-tuple work costs more than it saves
         return select_by_tuples(index, q, cand, ks, k_max, mode)
+    if NATIVE_SELECT and len(index.segments) == 1 and native_select.usable(index.segments[0][1], q.shape[2]):
+        tables = pq.lookup_tables(index.rotate(q, 0), index.segments[0][1])  # (B, H, m, C, R)
+        return native_select.pq_top(tables, index.codes, cand, ks, k_max, mode)
     return select_top(approx_scores(index, q), cand, ks, k_max, mode)
 
 
@@ -124,8 +130,11 @@ def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, 
         keys = host.key_rows(bh, top.to(host.host).reshape(-1))  # (B*H*k', D) on the host
         exact = keys.view(B, H, kw, -1).float() @ q.to(host.host, torch.float32).transpose(-1, -2)
     ok = valid.to(host.host)
-    combined = combine_rows(exact, ok, mode)  # (B, H, k'); top is in position order, so ties go to the earliest
-    pick, pick_valid = topk_positions(combined, ks, min(max(ks), kw))
+    if NATIVE_SELECT and native_select.usable(exact, exact.shape[3]):  # ties to the earliest of top, as below
+        pick, pick_valid = native_select.combined_top(exact, ok, ks, min(max(ks), kw), mode)
+    else:
+        combined = combine_rows(exact, ok, mode)  # (B, H, k'); top is in position order, so ties go to the earliest
+        pick, pick_valid = topk_positions(combined, ks, min(max(ks), kw))
     scores = scores_at(exact, pick).to(top.device)  # (B, H, k, R)
     pick, pick_valid = pick.to(top.device), pick_valid.to(top.device)
     return top.gather(2, pick), pick_valid & valid.gather(2, pick), scores

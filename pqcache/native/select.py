@@ -1,0 +1,96 @@
+"""PQCache's selection in C (pq_select.c): the PQ search's scores, combine and top-k in one call per (row, KV head),
+and the re-rank's combine and top-k; and the attention over what it selected (layer_step.c's attend_picks). Tensors
+in, tensors out; methods/pqcache.py and layer/onerow.py decide when to use them.
+
+Both return what methods/base.select_top and topk_positions return, (B, H, k_max) positions and their validity,
+with the same picks up to float rounding of the combine (pq_select.c says how): row b takes min(ks[b], k_max) picks
+in position order, the rest of its k_max slots are position 0 and not valid."""
+
+from __future__ import annotations
+
+import torch
+
+from pqcache import native
+
+MODES = {"softmax_sum": 0, "sum": 1}
+MAX_ROWS = 16  # query rows per KV head the kernel combines (pq_select.c's MAX_ROWS)
+
+
+def usable(operand: torch.Tensor, rows: int) -> bool:
+    """Whether the kernels take this operand (the centroids, or the re-rank's exact scores) for `rows` query rows per
+    KV head: the library built, float32 on the CPU, at most MAX_ROWS rows."""
+    return (
+        native.library() is not None
+        and operand.device.type == "cpu"
+        and operand.dtype == torch.float32
+        and rows <= MAX_ROWS
+    )
+
+
+def pq_top(tables: torch.Tensor, codes: torch.Tensor, cand: torch.Tensor, ks: list[int], k_max: int, mode: str):
+    """tables (B, H, m, C, R) float32, codes (B, H, m, S') uint8 (tokens 0..n-1 scored), cand (B, n) bool ->
+    positions (B, H, k_max) and validity (B, H, k_max): picks among the candidates; a row with fewer candidates
+    than its k also takes the earliest others, not valid (as select_top does)."""
+    B, H, m, C, R = tables.shape
+    n = cand.shape[1]
+    if codes.stride(-1) != 1 or codes.dtype != torch.uint8 or codes.shape[-1] < n:
+        raise ValueError(f"pq_top: codes {tuple(codes.shape)} {codes.dtype} for {n} tokens")
+    tables, cand = tables.contiguous(), cand.contiguous()
+    lib, top = native.library(), torch.zeros((B, H, k_max), dtype=torch.int64)
+    in_rank = torch.zeros((B, H, k_max), dtype=torch.bool)
+    for b in range(B):
+        k = min(ks[b], k_max, n)
+        for h in range(H):
+            row = codes[b, h]
+            args = (tables[b, h].data_ptr(), m, C, R, row.data_ptr(), row.stride(0), n, cand[b].data_ptr())
+            if lib.pq_search(*args, MODES[mode], k, top[b, h].data_ptr()):
+                raise MemoryError("pq_search: no memory for the scores")
+        in_rank[b, :, :k] = True
+    return top, in_rank & torch.gather(cand[:, None, :].expand(B, H, n), 2, top)
+
+
+def combined_top(scores: torch.Tensor, valid: torch.Tensor, ks: list[int], k_max: int, mode: str):
+    """scores (B, H, n, R) float32, valid (B, H, n) bool -> indices along n (B, H, k_max) and whether each is in
+    its row's k (topk_positions of combine_rows(scores, valid, mode)); the caller checks what they point at."""
+    B, H, n, R = scores.shape
+    scores, valid = scores.contiguous(), valid.contiguous()
+    lib, top = native.library(), torch.zeros((B, H, k_max), dtype=torch.int64)
+    in_rank = torch.zeros((B, H, k_max), dtype=torch.bool)
+    for b in range(B):
+        k = min(ks[b], k_max, n)
+        for h in range(H):
+            args = (scores[b, h].data_ptr(), n, R, valid[b, h].data_ptr(), MODES[mode], k, top[b, h].data_ptr())
+            if lib.combine_top(*args):
+                raise MemoryError("combine_top: no memory for the combined scores")
+        in_rank[b, :, :k] = True
+    return top, in_rank
+
+
+def attend_picks(q, keys, values, n: int, scaling: float, picks, stores) -> torch.Tensor:
+    """One token's attention over a PQ layer's first n buffer slots and its picks, in one softmax.
+
+    q (Hq, D) float32; keys, values (1, Hk, N, D) float32 with rows of D floats (the layer's device window): slots
+    0..n-1 attended. picks: pos (Hk, k) int64 host positions, valid (Hk, k) bool, scores (Hk, k, G) their scaled
+    exact scores (the re-rank's). stores: (shared, S0, own), the host tier's value rows (1, Hk, rows, D) of a fork's
+    parent (None when not a fork: S0 = 0) and its own (None when it has none yet), read where they lie ->
+    (1, Hq * D)."""
+    pos, valid, scores = picks
+    shared, S0, own = stores
+    Hq, D = q.shape
+    Hk, k = pos.shape
+    parts = [t for t in (keys, values, own, shared) if t is not None]
+    if any(t.dtype != torch.float32 or t.stride()[2:] != (D, 1) for t in parts) or values.stride() != keys.stride():
+        raise ValueError("attend_picks: keys, values and the stores must be float32 rows of D floats")
+    stored = S0 + (0 if own is None else own.shape[2])  # a fork that has stored nothing of its own: own is None
+    if k and int(pos.max()) >= stored:
+        raise IndexError(f"attend_picks: position {int(pos.max())} outside {stored} stored")
+    q, pos, valid = q.contiguous(), pos.contiguous(), valid.contiguous()
+    scores = scores.to(torch.float32).contiguous()
+    out = torch.empty(1, Hq * D)
+    args = (q.data_ptr(), Hq, keys.data_ptr(), values.data_ptr(), Hk, keys.stride(1), n, D, scaling, k)
+    args += (scores.data_ptr(), valid.data_ptr(), pos.data_ptr())
+    args += (0, 0, 0) if shared is None else (shared.data_ptr(), shared.stride(1), S0)
+    args += (0, 0) if own is None else (own.data_ptr(), own.stride(1))
+    if native.library().attend_picks(*args, out.data_ptr()):
+        raise MemoryError("attend_picks: no scratch memory")
+    return out
