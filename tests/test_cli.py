@@ -113,7 +113,7 @@ def test_bench_kernels_json_on_the_bundled_models_shapes():
     proc = run_cli("bench", "kernels", "--repeats", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)["rows"]
-    kernels = ["memory", *["decoder linears"] * 3, *["LM head"] * 3, *["re-rank scores"] * 2]
+    kernels = ["memory", *["decoder linears"] * 3, *["LM head"] * 3, *["re-rank scores"] * 2, *["PQ search"] * 2]
     assert [r["kernel"] for r in rows] == kernels
     assert rows[2]["weights"] == "int8 rows, native"
     # 18 layers of (q/k/v, o, gate/up, down) int8 rows with a bf16 scale each: 100,518,912 bytes; the head 262,144 x 640

@@ -444,6 +444,8 @@ def test_bench_kernels_rows():
         ("LM head", "int8 rows, native"),
         ("re-rank scores", "float32 keys, gathered"),
         ("re-rank scores", "float32 keys, native"),
+        ("PQ search", "codes, torch"),
+        ("PQ search", "codes, native"),
     ]
     by = {(r["kernel"], r["weights"]): r for r in rows}
     int8_mb = 3 * sum(n * k + 2 * n for n, k in decoder_shapes(config)) / 2**20  # int8 weights, bf16 row scales
@@ -453,10 +455,15 @@ def test_bench_kernels_rows():
     assert by["decoder linears", "int4 groups"]["mb"] < 0.7 * int8_mb
     assert by["LM head", "int4 groups"]["mb"] < by["LM head", "int8 rows"]["mb"]
     assert by["memory", "float32 sum"]["of_stream"] == 1.0
-    # 3 layers' first stages at 32K tokens with the defaults (4 x 1/10 of the context), keys of head_dim 32
-    rerank_mb = round(3 * int(4 * 0.1 * 32768) * 32 * 4 / 2**20, 1)
+    # 3 layers' first stages at 32K tokens with the defaults: 4 x the top-k (the budget, 3,277 tokens, less 32 sinks
+    # and a local window of 1,622), keys of head_dim 32
+    rerank_mb = round(3 * 4 * 1623 * 32 * 4 / 2**20, 1)
     assert by["re-rank scores", "float32 keys, native"]["mb"] == by["re-rank scores", "float32 keys, gathered"]["mb"]
     assert by["re-rank scores", "float32 keys, native"]["mb"] == rerank_mb
+    # and the codes they are searched in: m = 1 sub-space of 32 dimensions, a byte a token
+    assert (
+        by["PQ search", "codes, native"]["mb"] == by["PQ search", "codes, torch"]["mb"] == round(3 * 32768 / 2**20, 1)
+    )
     for r in rows:
         assert r["threads"] == 2  # the times are this machine's, noisy: their values are not asserted
         assert all(r[key] >= 0 for key in ("ms", "ms_1_thread", "gb_s", "thread_speedup", "of_stream"))

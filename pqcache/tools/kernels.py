@@ -6,12 +6,13 @@ streams, the step's weight time would be bytes / bandwidth; this benchmark measu
 runs on, that streaming rate (a float32 sum over a buffer as large as the int8 decoder copies) and each kernel's
 effective rate on the bundled model's shapes: the decoder linears of every layer as decode_weights.py stacks them
 (q/k/v and gate/up one matrix each), cycled so that each call finds its weights out of the caches as a decode step
-does, and the LM head; and the re-rank's exact scores of a 32K-token context (native.gather_dot against a
-gathered copy and a matmul). `of_stream` is a kernel's rate over the stream's on as many threads: 1 would mean the
-memory sets the pace (only fewer bytes would gain), well below 1 that the kernel's arithmetic or its access pattern
-does (a kernel that streamed its bytes would take of_stream of the time). `thread_speedup` (its time on one thread
-over its time on all) says the same from another side when compared with the stream's own: one core alone does not
-saturate the memory.
+does, and the LM head; the re-rank's exact scores of a 32K-token context (native.gather_dot against a gathered
+copy and a matmul); and PQCache's first stage over the same context (the codes' lookups, the GQA combine, the top-k:
+torch's operators against native/select.pq_top, bytes counted as the codes' only). `of_stream` is a kernel's rate
+over the stream's on as many threads: 1 would mean the memory sets the pace (only fewer bytes would gain), well
+below 1 that the kernel's arithmetic or its access pattern does (a kernel that streamed its bytes would take
+of_stream of the time). `thread_speedup` (its time on one thread over its time on all) says the same from another
+side when compared with the stream's own: one core alone does not saturate the memory.
 """
 
 from __future__ import annotations
@@ -98,7 +99,7 @@ def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: b
         ]
         if q8n is not None:
             cases.append(("LM head", "int8 rows, native", q8n.nbytes, lambda: q8n.mm(h)))
-    cases += rerank_cases(config, g)
+    cases += rerank_cases(config, g) + search_cases(config, g)
     rows, rates = [], []
     for what, weights, nbytes, fn in cases:
         many, one = _timed(fn, repeats, threads)
@@ -120,17 +121,25 @@ def bench_kernels(config, repeats: int = 10, threads: int | None = None, head: b
     return rows
 
 
-def rerank_cases(config, g: torch.Generator, context: int = 32768, layers: int = 3) -> list[tuple]:
-    """The re-rank of a PQ layer's decode step at `context` tokens with PQCache's defaults: the exact scores of
-    rerank x budget first-stage candidates (sorted positions, as the first stage returns them) for a KV head's
-    group of query rows, in `layers` layers' key stores in turn (out of the caches, as in a step). Torch's way
-    (gather the keys, then a matmul) and, where it built, native.gather_dot."""
+def _first_stage(config, context: int) -> tuple[int, int, int]:
+    """(head_dim, query rows per KV head, first-stage candidates) of a PQ layer's decode step at `context` tokens with
+    PQCache's defaults: rerank x the top-k, which is the budget less the sinks and the local window."""
     from pqcache.engine.config import PQCacheConfig
+    from pqcache.engine.methods.pqcache import first_stage_count
 
     defaults = PQCacheConfig()
     D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     group = config.num_attention_heads // config.num_key_value_heads
-    wide = int(defaults.rerank * defaults.token_budget * context)
+    n_init, k, n_local = defaults.split(context)
+    return D, group, first_stage_count(defaults, k, context - n_init - n_local)
+
+
+def rerank_cases(config, g: torch.Generator, context: int = 32768, layers: int = 3) -> list[tuple]:
+    """The re-rank of a PQ layer's decode step at `context` tokens with PQCache's defaults: the exact scores of the
+    first stage's candidates (sorted positions, as the first stage returns them) for a KV head's group of query
+    rows, in `layers` layers' key stores in turn (out of the caches, as in a step). Torch's way (gather the keys,
+    then a matmul) and, where it built, native.gather_dot."""
+    D, group, wide = _first_stage(config, context)
     stores = [torch.randn(context, D, generator=g) for _ in range(layers)]
     picks = [torch.randperm(context, generator=g)[:wide].sort().values for _ in range(layers)]
     q = torch.randn(group, D, generator=g)
@@ -147,4 +156,35 @@ def rerank_cases(config, g: torch.Generator, context: int = 32768, layers: int =
     cases = [("re-rank scores", "float32 keys, gathered", nbytes, gathered)]
     if native.library() is not None:
         cases.append(("re-rank scores", "float32 keys, native", nbytes, in_place))
+    return cases
+
+
+def search_cases(config, g: torch.Generator, context: int = 32768, layers: int = 3) -> list[tuple]:
+    """PQCache's first stage in `layers` layers at `context` tokens: lookup tables from the query rows, every
+    token's approximate scores from its codes (m sub-spaces of 256 centroids, as at 32K), the softmax_sum combine
+    and the top first-stage candidates. Torch's operators (methods/base.select_top) and, where it built,
+    native/select.pq_top."""
+    from pqcache.engine import pq
+    from pqcache.engine.methods.base import select_top
+    from pqcache.native import select
+
+    D, group, wide = _first_stage(config, context)
+    m = next(d for d in range(max(1, -(-D // 64)), D + 1) if D % d == 0)  # PQCacheConfig.for_head_dim's m
+    centroids = [torch.randn(1, 1, m, 256, D // m, generator=g) for _ in range(layers)]
+    codes = [torch.randint(0, 256, (1, 1, m, context), generator=g, dtype=torch.uint8) for _ in range(layers)]
+    q = torch.randn(1, 1, group, D, generator=g) * D**-0.5
+    cand = torch.ones(1, context, dtype=torch.bool)
+
+    def torch_ops():
+        for cents, c in zip(centroids, codes):
+            select_top(pq.approx_scores(pq.lookup_tables(q, cents), c), cand, [wide], wide, "softmax_sum")
+
+    def in_c():
+        for cents, c in zip(centroids, codes):
+            select.pq_top(pq.lookup_tables(q, cents), c, cand, [wide], wide, "softmax_sum")
+
+    nbytes = layers * m * context
+    cases = [("PQ search", "codes, torch", nbytes, torch_ops)]
+    if native.library() is not None:
+        cases.append(("PQ search", "codes, native", nbytes, in_c))
     return cases
