@@ -35,17 +35,14 @@ def pq_top(tables: torch.Tensor, codes: torch.Tensor, cand: torch.Tensor, ks: li
     n = cand.shape[1]
     if codes.stride(-1) != 1 or codes.dtype != torch.uint8 or codes.shape[-1] < n:
         raise ValueError(f"pq_top: codes {tuple(codes.shape)} {codes.dtype} for {n} tokens")
-    tables, cand = tables.contiguous(), cand.contiguous()
-    lib, top = native.library(), torch.zeros((B, H, k_max), dtype=torch.int64)
-    in_rank = torch.zeros((B, H, k_max), dtype=torch.bool)
-    for b in range(B):
-        k = min(ks[b], k_max, n)
-        for h in range(H):
-            row = codes[b, h]
-            args = (tables[b, h].data_ptr(), m, C, R, row.data_ptr(), row.stride(0), n, cand[b].data_ptr())
-            if lib.pq_search(*args, MODES[mode], k, top[b, h].data_ptr()):
-                raise MemoryError("pq_search: no memory for the scores")
-        in_rank[b, :, :k] = True
+    tables, cand, lib = tables.contiguous(), cand.contiguous(), native.library()
+
+    def kernel(b: int, h: int, k: int, out: int) -> int:
+        row = codes[b, h]  # (m, S'): sub-space j's codes at row.stride(0) * j
+        args = (tables[b, h].data_ptr(), m, C, R, row.data_ptr(), row.stride(0), n, cand[b].data_ptr())
+        return lib.pq_search(*args, MODES[mode], k, out)
+
+    top, in_rank = _each_row(B, H, ks, k_max, n, kernel, "pq_search")
     return top, in_rank & torch.gather(cand[:, None, :].expand(B, H, n), 2, top)
 
 
@@ -53,15 +50,24 @@ def combined_top(scores: torch.Tensor, valid: torch.Tensor, ks: list[int], k_max
     """scores (B, H, n, R) float32, valid (B, H, n) bool -> indices along n (B, H, k_max) and whether each is in
     its row's k (topk_positions of combine_rows(scores, valid, mode)); the caller checks what they point at."""
     B, H, n, R = scores.shape
-    scores, valid = scores.contiguous(), valid.contiguous()
-    lib, top = native.library(), torch.zeros((B, H, k_max), dtype=torch.int64)
+    scores, valid, lib = scores.contiguous(), valid.contiguous(), native.library()
+
+    def kernel(b: int, h: int, k: int, out: int) -> int:
+        return lib.combine_top(scores[b, h].data_ptr(), n, R, valid[b, h].data_ptr(), MODES[mode], k, out)
+
+    return _each_row(B, H, ks, k_max, n, kernel, "combine_top")
+
+
+def _each_row(B: int, H: int, ks: list[int], k_max: int, n: int, kernel, name: str):
+    """kernel(b, h, k, out) writes k = min(ks[b], k_max, n) positions of (row b, KV head h) at the address out ->
+    positions (B, H, k_max) (position 0 after a row's k) and whether each is among its row's k."""
+    top = torch.zeros((B, H, k_max), dtype=torch.int64)
     in_rank = torch.zeros((B, H, k_max), dtype=torch.bool)
     for b in range(B):
         k = min(ks[b], k_max, n)
         for h in range(H):
-            args = (scores[b, h].data_ptr(), n, R, valid[b, h].data_ptr(), MODES[mode], k, top[b, h].data_ptr())
-            if lib.combine_top(*args):
-                raise MemoryError("combine_top: no memory for the combined scores")
+            if kernel(b, h, k, top[b, h].data_ptr()):
+                raise MemoryError(f"{name}: no memory for its working space")
         in_rank[b, :, :k] = True
     return top, in_rank
 
