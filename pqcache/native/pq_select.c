@@ -2,17 +2,17 @@
    combine and the top-k with ties to the earliest positions, in one call (methods/pqcache.py's search), and the
    combine and top-k alone over the re-rank's exact scores (rerank_exact).
 
-   In torch the first stage is about 45 operators a layer (embedding lookups over m sub-spaces and their sum, a
-   masked softmax per query head, the sum over heads, top-k, the tie pass), each over every token of the context:
-   about 2 ms a PQ layer at 32K tokens, against 0.1-0.2 ms for the arithmetic itself.
+   In torch the first stage is about 140 operators a layer (embedding lookups over m sub-spaces and their sum, a
+   masked softmax per query head, the sum over heads, top-k, the tie pass, the bookkeeping around them), several
+   over every token of the context: about 2 ms a PQ layer at 32K tokens, against 0.4 ms here (docs/benchmarks.md).
 
-   The combine is the same arithmetic as methods/base.combine_rows ("softmax_sum": a softmax over the candidates
-   per query row, summed over the rows; "sum": the raw sum), with its own exp (a polynomial, within 2 ulp of
-   expf, which the compiler vectorizes) and sums in a fixed order for every thread count. The combined scores
-   therefore differ from torch's in the last bits; equal scores stay equal, so ties are still ties, and only two
-   tokens within float rounding of each other could be ordered differently. The top-k is a radix selection of the
-   k-th largest score (three passes of a histogram), then one pass that takes every score above it and the
-   earliest positions at it: topk_positions' rule, with the picks in position order. */
+   The combine is the same arithmetic as methods/base.combine_rows ("softmax_sum": a softmax over the candidates per
+   query row, summed over the rows; "sum": the raw sum), with its own exp (a polynomial within 1 ulp of the exact value
+   on every 64th float of [-87, 0], which the compiler vectorizes) and sums in a fixed order for every thread count. The
+   combined scores therefore differ from torch's in the last bits; equal scores stay equal, so ties are still ties, and
+   only two tokens within float rounding of each other could be ordered differently. The top-k is a radix selection of
+   the k-th largest score (three passes of a histogram), then one pass that takes every score above it and the earliest
+   positions at it: topk_positions' rule, with the picks in position order. */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -198,7 +198,8 @@ int pq_search(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_
 #if defined(__SSE2__)
     for (; r + 4 <= R; r += 4) { /* four query rows at once: 0.07 against 0.33 ms at 32K tokens, ad hoc */
       __m128 sum = _mm_loadu_ps(tables + (int64_t)codes[t] * R + r);
-      for (int64_t j = 1; j < m; j++) sum = _mm_add_ps(sum, _mm_loadu_ps(tables + (j * C + codes[j * code_stride + t]) * R + r));
+      for (int64_t j = 1; j < m; j++)
+        sum = _mm_add_ps(sum, _mm_loadu_ps(tables + (j * C + codes[j * code_stride + t]) * R + r));
       _mm_storeu_ps(row + r, sum);
     }
 #endif
