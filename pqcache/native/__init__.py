@@ -12,9 +12,10 @@ memory's speed on the table.
                    weighted sum over the picks' values, read where they lie (layer/onerow.py).
     layer_step.c   a Gemma 3 decoder layer's one-token step in three calls (serving/decode_layer.py): the norms,
                    rotary embedding, attention over a window, GELU and residuals around int8_rows.c's products,
-                   instead of two hundred small torch operators.
+                   instead of two hundred small torch operators; and a PQ layer's attention over its window and its
+                   picks, the picks' values read where they lie (attend_picks, layer/onerow.py).
     pq_select.c    PQCache's selection (methods/pqcache.py): the PQ scores, the GQA combine and the top-k in one
-                   call instead of about 45 operators over every token (wrapped in native/select.py).
+                   call instead of about 140 torch operators a layer (wrapped in native/select.py).
 
 `python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
 together once per machine with the system's C compiler (`cc`, or $CC; 0.6 s here) into $PQCACHE_KERNEL_DIR

@@ -165,11 +165,12 @@ def search_cases(config, g: torch.Generator, context: int = 32768, layers: int =
     and the top first-stage candidates. Torch's operators (methods/base.select_top) and, where it built,
     native/select.pq_top."""
     from pqcache.engine import pq
+    from pqcache.engine.config import PQCacheConfig
     from pqcache.engine.methods.base import select_top
     from pqcache.native import select
 
     D, group, wide = _first_stage(config, context)
-    m = next(d for d in range(max(1, -(-D // 64)), D + 1) if D % d == 0)  # PQCacheConfig.for_head_dim's m
+    m = PQCacheConfig().for_head_dim(D).m
     centroids = [torch.randn(1, 1, m, 256, D // m, generator=g) for _ in range(layers)]
     codes = [torch.randint(0, 256, (1, 1, m, context), generator=g, dtype=torch.uint8) for _ in range(layers)]
     q = torch.randn(1, 1, group, D, generator=g) * D**-0.5
