@@ -32,7 +32,7 @@ for var in ("NO_PROXY", "no_proxy"):  # the browser and the client talk to local
 from pqcache import load_model  # noqa: E402
 from pqcache.serving.documents import MAX_DOCUMENT_BYTES  # noqa: E402
 from pqcache.serving.pool import SessionPool, limit_malloc_arenas  # noqa: E402
-from pqcache.tools.cli import add_dtype_flags  # noqa: E402
+from pqcache.tools.cli_args import add_dtype_flags  # noqa: E402
 from studio import Studio, build_ui  # noqa: E402
 
 

@@ -1,208 +1,21 @@
-"""python -m pqcache {generate,bench,eval,datasets,calibrate,loadtest} ..."""
+"""python -m pqcache {generate,bench,eval,datasets,calibrate,loadtest} ... (the flags: cli_args.py)"""
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from dataclasses import fields
-from pathlib import Path
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import PQCacheError
-from pqcache.engine.methods import METHODS
-from pqcache.serving.decode_weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS
-from pqcache.serving.fast import DTYPE_CHOICES
 from pqcache.serving.loading import ModelNotFoundError
-
-
-def _opt_ints(text: str) -> tuple:
-    """ "auto,2,4" -> (None, 2, 4): None stands for the default choice."""
-    return tuple(None if x.strip() == "auto" else int(x) for x in text.split(",") if x.strip())
-
-
-def _budget(text: str):
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"token budget must be a number, got {text!r}") from None
-    return int(value) if value > 1 and value.is_integer() else value
+from pqcache.tools.cli_args import build_parser
 
 
 def _config(args) -> PQCacheConfig:
     """The engine settings a subcommand has flags for; the others keep PQCacheConfig's defaults."""
     names = [f.name for f in fields(PQCacheConfig)]
     return PQCacheConfig(**{name: getattr(args, name) for name in names if hasattr(args, name)})
-
-
-def add_dtype_flags(parser):
-    """--dtype and --decode-weights: how the model's weights are read (shared with app.py)."""
-    parser.add_argument(
-        "--dtype",
-        default=None,
-        choices=list(DTYPE_CHOICES),
-        help="weights and compute (default: float32 on a CPU, bfloat16 on CUDA; auto: bfloat16 where the CPU "
-        "has native bf16, faster but it changed an answer of the bundled model at a 1/5 budget)",
-    )
-    parser.add_argument(
-        "--decode-weights",
-        default=DEFAULT_DECODE_WEIGHTS,
-        choices=list(DECODE_WEIGHTS),
-        help="CPU decode steps read int8 (default) or int4 copies of the decoder linears, or int4 where the "
-        "model's weights are 4-bit and int8 elsewhere (auto: faster, and it tipped one answer of the bundled model), "
-        "or the model's own weights (model); the prefill keeps the model's weights",
-    )
-
-
-def _iters(text: str):
-    return text if text == "auto" else int(text)
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m pqcache", description="PQCache: PQ-retrieved attention for long contexts"
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="answer a question about a context file")
-    g.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
-    g.add_argument(
-        "--method",
-        default="pqcache",
-        choices=list(METHODS),
-        help="full (transformers' DynamicCache), or a selection method under the same budget",
-    )
-    g.add_argument(
-        "--context-file",
-        type=Path,
-        help="the document: .txt, .md, .pdf or any text file; '-' reads standard input",
-    )
-    g.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")
-    g.add_argument("--question", required=True, help="the question, in your own words")
-    g.add_argument("--max-new-tokens", type=int, default=32)
-    g.add_argument("--device", default="auto")
-    add_dtype_flags(g)
-    g.add_argument("--m", type=int, default=PQCacheConfig.m)
-    g.add_argument("--bits", type=int, default=PQCacheConfig.bits)
-    g.add_argument("--rerank", type=int, default=PQCacheConfig.rerank, help="exact re-rank of rerank x k candidates")
-    g.add_argument(
-        "--token-budget",
-        type=_budget,
-        default=PQCacheConfig.token_budget,
-        help="fraction of the context (default 0.1) or a token count (1024)",
-    )
-    g.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
-    g.add_argument("--n-local", type=int, default=None)
-    g.add_argument("--kmeans-iters", type=_iters, default="auto")
-    g.add_argument(
-        "--block-cache-tokens",
-        type=int,
-        default=PQCacheConfig.block_cache_tokens,
-        help="device block cache per layer, in tokens (0: off; default: 1024 on a GPU, off on a CPU, where the "
-        "device and host tiers are the same memory)",
-    )
-    g.add_argument("--cache-policy", default=PQCacheConfig.cache_policy, choices=["lru", "lfu"])
-    g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
-
-    b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("which", choices=["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels"])
-    b.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=None)
-    b.add_argument("--repeats", type=int, default=None)
-    b.add_argument("--shapes", choices=["llama", "gemma"], default="llama", help="decode: head shapes")
-    b.add_argument("--m", type=int, default=None, help="attention: sub-spaces (default: from head_dim)")
-    b.add_argument("--bits", type=int, default=None, help="attention: bits per code (default: from the length)")
-    b.add_argument("--rerank", type=int, default=None, help="attention: re-rank factor (default: the config's)")
-    b.add_argument("--new-tokens", type=int, default=256, help="blockcache: tokens generated")
-    b.add_argument("--model", default="default", help="ttft, blockcache: the model")
-    b.add_argument("--device", default="auto")
-    add_dtype_flags(b)
-    b.add_argument("--decode-tokens", type=int, default=32, help="e2e: greedy tokens decoded per run")
-    b.add_argument("--threads", type=int, default=None, help="e2e, kernels: threads (default: the cores)")
-    b.add_argument("--n-batch", type=int, default=None, help="e2e: llama.cpp's n_batch (= n_ubatch)")
-    b.add_argument("--chunk-tokens", type=int, default=None, help="e2e: prefill chunk (default: generate's)")
-    b.add_argument("--gguf", default=None, help="e2e: llama.cpp's GGUF (default: the bundled model's)")
-    b.add_argument("--runners", default="llama.cpp,full,pqcache", help="e2e: comma-separated runners")
-    b.add_argument("--json", action="store_true", help='print one object {"rows": [...]}')
-
-    e = sub.add_parser("eval", help="compare methods on a case file (or: eval recall)")
-    e.add_argument("mode", nargs="?", choices=["recall"], help="recall: PQ recall study on the model's real keys")
-    e.add_argument("--cases", type=Path, help="JSONL: id, context, question, answers[, query_aware]")
-    e.add_argument("--methods", default="full,pqcache", help="comma-separated method names")
-    e.add_argument("--out", type=Path, help="write one JSON line per case and method")
-    e.add_argument("--group-by", default="", help="comma-separated case fields for the summary")
-    e.add_argument("--model", default="default")
-    e.add_argument("--device", default="auto")
-    add_dtype_flags(e)
-    e.add_argument("--max-new-tokens", type=int, default=24)
-    e.add_argument("--token-budget", type=_budget, default=0.1)
-    e.add_argument("--m", type=int, default=PQCacheConfig.m)
-    e.add_argument("--bits", type=int, default=PQCacheConfig.bits)
-    e.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
-    e.add_argument("--n-local", type=int, default=None)
-    e.add_argument("--context-tokens", type=int, default=4096, help="recall: essay tokens used")
-    e.add_argument("--rerank", type=int, default=PQCacheConfig.rerank, help="exact re-rank of rerank x k candidates")
-    e.add_argument(
-        "--chunk-attention",
-        choices=["exact", "selected"],
-        default=PQCacheConfig.chunk_attention,
-        help="a question after a cached document: every cached token, or the selection",
-    )
-    e.add_argument("--ms", type=_opt_ints, default=(None, 2, 4), help="recall: m values ('auto' for the default)")
-    e.add_argument("--bits-list", type=_opt_ints, default=(None, 6, 8), help="recall: bits values ('auto' too)")
-    e.add_argument(
-        "--opq-list",
-        type=lambda t: tuple(x.strip() in ("1", "true", "yes") for x in t.split(",")),
-        default=(False,),
-        help="recall: OPQ off/on, e.g. 0,1",
-    )
-    e.add_argument("--reranks", type=_opt_ints, default=(1, 2, 4, 8), help="recall: re-rank factors")
-    e.add_argument(
-        "--budgets",
-        type=lambda t: tuple(_budget(x) for x in t.split(",")),
-        default=(0.1,),
-        help="recall: token budgets",
-    )
-    e.add_argument("--json", action="store_true")
-
-    d = sub.add_parser("datasets", help="write case files offline (needle in a haystack, RULER-style)")
-    d.add_argument("kind", choices=["niah", "ruler"])
-    d.add_argument("--out", type=Path, required=True)
-    d.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[2048, 4096, 8192])
-    d.add_argument("--depths", type=lambda t: [float(x) for x in t.split(",")], default=[0.1, 0.5, 0.9])
-    d.add_argument("--tasks", default=None, help="ruler: comma-separated tasks (default: all)")
-    d.add_argument("--n", type=int, default=2, help="ruler: cases per task and length")
-    d.add_argument("--query-aware", choices=["both", "true", "false"], default="both")
-    d.add_argument("--seed", type=int, default=0)
-    d.add_argument(
-        "--natural",
-        action="store_true",
-        help="niah: facts asked in plain words (no answer cue in the question), a different fact per case",
-    )
-
-    lt = sub.add_parser("loadtest", help="N concurrent gradio_client users against a local app, bounded in time")
-    lt.add_argument("--clients", type=int, default=4)
-    lt.add_argument("--duration", type=float, default=60, help="seconds during which users start requests")
-    lt.add_argument("--url", default=None, help="an app already running (default: start app.py and watch it)")
-    lt.add_argument("--app-args", default="--max-cache-gib 0.1 --idle-minutes 5", help="flags for the app.py it starts")
-    lt.add_argument("--request-timeout", type=float, default=300)
-    lt.add_argument("--rounds", type=int, default=2, help="repeat the users; a leak grows round after round")
-    lt.add_argument("--seed", type=int, default=0)
-    lt.add_argument("--out", default=None, help="write the figures as JSON here")
-    lt.add_argument(
-        "--ray",
-        default=None,
-        metavar="local|auto|HOST:PORT",
-        help="start the app with its documents on Ray Serve replicas (app.py --ray); 'local': a private cluster here",
-    )
-    lt.add_argument("--replicas", type=int, default=2, help="with --ray: document workers")
-
-    c = sub.add_parser("calibrate", help="fit the adaptive K-Means iteration rule on this machine")
-    c.add_argument("--model", default="default")
-    c.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=[512, 1024, 2048, 4096])
-    c.add_argument("--device", default="auto")
-    add_dtype_flags(c)
-    c.add_argument("--json", action="store_true")
-    return p
 
 
 def _stderr(msg):
