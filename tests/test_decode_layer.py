@@ -77,9 +77,10 @@ def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch,
     """The step without the model's forward (decode_step.py) against the layers' short forward inside the model's
     forward: the same logits from contexts shorter than the sliding window (24 tokens: its mask, which the step
     does not pass, is all ones either way) to longer ones, with grouped query heads and without, for full
-    attention and PQCache at full and small budgets; with an observer attached (the app's live panels) the
-    model's forward runs, with the same logits again. The layers' step in torch (in C: the next test), the picks'
-    values copied as the general step copies them (the observed forward takes it)."""
+    attention and PQCache at full and small budgets; with an observer attached (the app's live panels) the step
+    runs too, with the same logits again and the same records as the observed model's forward (its layers' spans,
+    block hits, sampled attention and recall). The layers' step in torch (in C: the next test), the picks' values
+    copied as the general step copies them (the observed layers take it)."""
     monkeypatch.setattr(decode_layer, "NATIVE_STEP", False)
     monkeypatch.setattr(onerow, "VALUES_IN_PLACE", False)
     model = _gemma3(seed=2, kv_heads=kv_heads)
@@ -87,10 +88,10 @@ def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch,
     install_fast_decode(model)
     step = model.fast_decode_step
     ids = torch.randint(1, 96, (1, prompt_tokens), generator=torch.Generator().manual_seed(prompt_tokens))
-    for make_cache in (
-        lambda: DynamicCache(config=model.config),
-        lambda: PQCache(model, FULL_BUDGET),
-        lambda: PQCache(model, SMALL_BUDGET),
+    for pq, make_cache in (
+        (False, lambda: DynamicCache(config=model.config)),
+        (True, lambda: PQCache(model, FULL_BUDGET)),
+        (True, lambda: PQCache(model, SMALL_BUDGET)),
     ):
         with torch.no_grad():
             model.fast_decode_step = None
@@ -99,14 +100,28 @@ def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch,
             before = step.steps
             got = _decode(model, make_cache(), ids)
             assert step.steps == before + 8
-            watched = make_cache()
-            if isinstance(watched, PQCache):
-                watched.instrument(timeline=True)
-                observed = _decode(model, watched, ids)
-                assert step.steps == before + 8 and watched.observer.events  # the model's forward, with its hooks
-                watched.close()  # detaches the hooks: the next cache's steps take the short path again
-                assert torch.equal(observed, ref)
+            if pq:
+                observed = {}
+                for name, fast in (("forward", None), ("step", step)):
+                    model.fast_decode_step = fast
+                    watched = make_cache()
+                    obs = watched.instrument(timeline=True, attention_every=2, recall_every=2)
+                    observed[name] = _decode(model, watched, ids), obs
+                    watched.close()  # detaches its hooks
+                model.fast_decode_step = step
+                assert step.steps == before + 16  # the observed cache's steps took the step too
+                (by_forward, seen), (by_step, seen_by_step) = observed["forward"], observed["step"]
+                assert torch.equal(by_forward, ref) and torch.equal(by_step, ref)
+                assert _observed(seen_by_step) == _observed(seen)
+                assert len(_observed(seen)[0]) >= 9 * len(model.model.layers) and seen.attention and seen.blocks
         assert torch.equal(got, ref)
+
+
+def _observed(obs) -> tuple:
+    """What an observer recorded, without its times and values: the layers of its "device compute" spans in order,
+    and the (layer, step) of its block, attention and recall records."""
+    spans = [e["layer"] for e in obs.events if e["lane"] == "device compute"]
+    return spans, *([(r["layer"], r["step"]) for r in getattr(obs, kind)] for kind in ("blocks", "attention", "recall"))
 
 
 def test_native_step_parts_match_the_torch_steps_parts():
@@ -195,3 +210,31 @@ def test_fast_decode_layer_applies_only_where_it_reproduces_the_forward():
     with torch.no_grad():
         _decode(model, DynamicCache(config=model.config), ids, n=2)
     assert _fast_steps(model) == 0
+
+
+def test_the_step_records_to_its_own_caches_observer_and_other_hooks_keep_the_forward():
+    """Two users' observed caches on one model: a step of one records its layers' spans in its own observer only.
+    A hook that is not an observer's (it expects the layers' forwards) sends the step through the model's forward."""
+    model = _gemma3(seed=4)
+    install_decode_weights(model)
+    install_fast_decode(model)
+    step, layers = model.fast_decode_step, model.model.layers
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(4))
+    ann, bob = PQCache(model, SMALL_BUDGET), PQCache(model, SMALL_BUDGET)
+    ann_obs, bob_obs = ann.instrument(timeline=True), bob.instrument(timeline=True)
+    with torch.no_grad():
+        logits = prefill(model, ids, ann, chunk_tokens=32)
+        ann.wait()
+        seen, before = len(ann_obs.events), step.steps
+        token = logits.argmax(-1, keepdim=True)
+        decode_one_token(model, token, ann)
+        assert step.steps == before + 1 and bob_obs.events == []
+        spans = [e for e in ann_obs.events[seen:] if e["lane"] == "device compute"]
+        assert [e["layer"] for e in spans] == list(range(len(layers)))
+        assert all(e["end"] >= e["start"] for e in spans)
+        calls = []
+        hook = layers[0].register_forward_hook(lambda *args: calls.append(1))
+        decode_one_token(model, token, ann)
+        hook.remove()
+    assert step.steps == before + 1 and calls == [1]  # the model's forward ran, and its hook with it
+    ann.close(), bob.close()

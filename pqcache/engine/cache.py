@@ -29,6 +29,7 @@ from pqcache.engine.shapes import head_dim_of
 from pqcache.engine.threads import torch_on_this_thread_only
 
 ATTN_NAME = "pqcache"
+OBSERVER_HOOK = "pqcache_observer"  # marks instrument()'s hooks: serving/decode_step.py times the layers itself
 _active = threading.local()
 
 
@@ -172,6 +173,8 @@ class PQCache(Cache):
                             obs.sync()
                         obs.event("device compute", idx, starts.pop(idx), obs.now())
 
+                setattr(pre, OBSERVER_HOOK, True)
+                setattr(post, OBSERVER_HOOK, True)
                 self._hooks += [
                     module.register_forward_pre_hook(pre, with_kwargs=True),
                     module.register_forward_hook(post, with_kwargs=True),

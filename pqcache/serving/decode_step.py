@@ -7,9 +7,11 @@ for the sliding-window layers): about 1.6 ms of an 8K step here that computes no
 pass). This step calls the model's own modules and functions on the same tensors for everything that is
 arithmetic (the embedding, the rotary embeddings, the layers' short forward through FastDecodeLayer.step, the
 final norm, the LM head and its soft-capping), so its logits are bit-identical to the model's
-(tests/test_decode_layer.py). It runs where the cache is a PQCache with nothing observing it or full attention's
-DynamicCache; anything else (a batch, a question's several tokens, an observer or hooks, other caches and models)
-takes the model's forward.
+(tests/test_decode_layer.py). It runs where the cache is a PQCache or full attention's DynamicCache; anything
+else (a batch, a question's several tokens, hooks, other caches and models) takes the model's forward. An observer
+attached to the PQCache (the app's live panels) stays attached: its PQ layers record inside PQLayer.attend as they
+do under the model's forward, and each decoder layer's "device compute" span, which the observer's forward hooks
+time there, is timed here.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from pqcache.engine.cache import ATTN_NAME, PQCache
+from pqcache.engine.cache import ATTN_NAME, OBSERVER_HOOK, PQCache
 from pqcache.engine.layer.layer import PQLayer
 from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 from pqcache.serving.decode_layer import FastDecodeLayer
@@ -43,7 +45,7 @@ class FastDecodeStep:
         text = self.text
         if token.shape != (1, 1) or token.device.type != "cpu" or not isinstance(cache, (PQCache, DynamicCache)):
             return False
-        if getattr(cache, "observer", None) is not None or text.config._attn_implementation not in (ATTN_NAME, "sdpa"):
+        if text.config._attn_implementation not in (ATTN_NAME, "sdpa"):
             return False
         if text.embed_tokens.weight.dtype != torch.float32 or text.config.use_bidirectional_attention:
             return False
@@ -63,9 +65,12 @@ class FastDecodeStep:
         position_ids = torch.tensor([[cache.get_seq_length()]], device=token.device)  # as the model counts it
         rotary = {kind: text.rotary_emb(hidden, position_ids, kind) for kind in set(self.layer_types)}
         x = hidden.view(1, -1)  # (1, E)
+        obs = getattr(cache, "observer", None)
         for layer, kind in zip(self.layers, self.layer_types):
-            fast = layer.forward
+            fast, start = layer.forward, obs.now() if obs is not None else None
             x = fast.step(x, rotary[kind], cache.layers[fast.attn.layer_idx])
+            if obs is not None:  # what the observer's hooks record around the layer's forward (a CPU: no sync)
+                obs.event("device compute", fast.attn.layer_idx, start, obs.now())
         logits = self.model.lm_head(text.norm(x.view(1, 1, -1)))  # (1, 1, V)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
@@ -74,4 +79,7 @@ class FastDecodeStep:
 
 
 def _hooked(module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks)
+    """Hooks other than an observer's (PQCache.instrument's record only their own cache's forwards: this step
+    records them itself, and another cache's would ignore it)."""
+    hooks = (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+    return any(not getattr(hook, OBSERVER_HOOK, False) for hook in hooks)
