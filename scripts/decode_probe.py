@@ -21,6 +21,7 @@ python scripts/decode_probe.py head                                    # LM head
 python scripts/decode_probe.py parts --seq-len 8192                    # wall-clock ms of the PQ layers' parts
 python scripts/decode_probe.py omp --seq-len 1024                      # decode beside a thread with OpenMP helpers
 python scripts/decode_probe.py app                                     # the app's own answer rate (gradio_client)
+python scripts/decode_probe.py app --document-tokens 8192             # the same on a passkey document of ~8K tokens
 
 Each prefills one prompt (the passkey filler) and decodes greedily. A/B runs alternate bursts of 5 timed decode
 steps between settings A and B after one prefill, so the machine's drifts hit both; they print the median,
@@ -212,17 +213,25 @@ def omp(args):
 
 
 def app(args):
-    """`python app.py` as a user starts it, through gradio_client: load the sample document, then ask one plain
-    question four times (pqcache, full, pqcache, full) and print the page's own timing line of each answer."""
+    """`python app.py` as a user starts it, through gradio_client: load the sample document (or, with
+    --document-tokens N, a passkey document of about N tokens), then ask one plain question four times (pqcache,
+    full, pqcache, full) and print the page's own load line and timing line of each answer."""
+    import tempfile
+
     from gradio_client import Client, handle_file
 
     from pqcache.serving.settings import LoadSettings
     from pqcache.tools.loadtest import running_app
+    from pqcache.tools.passkey import passkey_context
 
-    root = Path(__file__).resolve().parent.parent
+    path = Path(__file__).resolve().parent.parent / "assets" / "passkey_1k.txt"
+    if args.document_tokens:
+        path = Path(tempfile.mkdtemp()) / f"passkey_{args.document_tokens}.txt"
+        # a filler is 24 tokens of the bundled model's tokenizer
+        path.write_text(passkey_context("68422", n_filler=max(1, args.document_tokens // 24)))
     with running_app() as (url, _):
         client = Client(url, verbose=False)
-        document = handle_file(str(root / "assets" / "passkey_1k.txt"))
+        document = handle_file(str(path))
         print(client.predict(document, "", *LoadSettings().values(), api_name="/load_document")[0].splitlines()[0])
         for method in ("pqcache", "full", "pqcache", "full"):
             job = client.submit("List the numbers from 1 to 100.", [], method, 64, "5", api_name="/ask")
@@ -480,6 +489,7 @@ def main():
         help="ab: what A and B differ in",
     )
     p.add_argument("--steps", type=int, default=10, help="hooks, parts, omp: decode steps timed")
+    p.add_argument("--document-tokens", type=int, default=0, help="app: a passkey document of about this many tokens")
     args = p.parse_args()
     torch.set_num_threads(2)
     {"hooks": hooks, "ops": ops, "ab": ab, "head": head, "parts": parts, "omp": omp, "app": app}[args.mode](args)
