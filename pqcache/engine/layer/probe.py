@@ -1,5 +1,5 @@
 """What a step shows the outside: the method's observer hook and the instrumentation (observe_step);
-and the probe of sampled steps: exact scores of the step's queries,
+and the probe of sampled steps: exact scores of the step's last token's queries over every stored token,
 for the attention power law and for the top-k recall of the selection against the exact top-k
 chosen by the same rule (same candidates, same GQA combine, same k). It only reads."""
 
@@ -28,14 +28,16 @@ def observe_step(layer, q, scaling, top, top_valid, probs, mask, moved):
     obs.record_blocks(layer.layer_idx, step, moved["hits"], moved["misses"])
     obs.moved("to_device", moved["moved"])
     if obs.wants_attention(step) or obs.wants_recall(step):
-        probe(layer, obs, step, q, scaling, top, top_valid, mask.shape[2])
+        n_new = mask.shape[2]
+        if n_new > 1:  # a chunk (a question): its last token, as a decode step's one (each sorts S scores a row)
+            B, H, R, D = q.shape
+            q = q.view(B, H, R // n_new, n_new, D)[:, :, :, -1]  # (B, H, G, D): rows are (query head, token)
+        probe(layer, obs, step, q, scaling, top, top_valid)
 
 
-def probe(
-    layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Tensor, top_valid: torch.Tensor, n_new: int = 1
-):
-    """q (B, H, G*Q, D) unscaled queries of the step's n_new = Q tokens; top, top_valid (B, H, k) what
-    the method picked."""
+def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Tensor, top_valid: torch.Tensor):
+    """q (B, H, G, D) unscaled queries of the step's (last) token; top, top_valid (B, H, k) what the method
+    picked."""
     host = layer.host
     S, B, H = host.S, host.B, host.H
     keys = host.keys(0, S, device=layer.device, dtype=torch.float32)
@@ -55,7 +57,7 @@ def probe(
         layer.topk_counts(),
         top.shape[2],
         layer.config.gqa_combine,
-        q.shape[2] // n_new,
+        q.shape[2],
     )
     obs.record_recall(
         layer.layer_idx,
