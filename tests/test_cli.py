@@ -82,6 +82,7 @@ def test_bench_attention_json_shape():
     "args,message",
     [
         (["--bits", "9"], "bits must be None or an int in 1..8"),
+        (["--question", "  "], "the question is empty"),
         (["--token-budget", "0"], "token_budget must be > 0"),
         (["--model", "/no/such/model"], "does not exist"),
         (["--context-file", "/no/such/file.txt"], "cannot open file.txt"),

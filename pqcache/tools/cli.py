@@ -7,7 +7,7 @@ import sys
 from dataclasses import fields
 
 from pqcache.engine.config import PQCacheConfig
-from pqcache.engine.errors import PQCacheError
+from pqcache.engine.errors import InputError, PQCacheError
 from pqcache.serving.loading import ModelNotFoundError
 from pqcache.tools.cli_args import build_parser
 
@@ -28,6 +28,8 @@ def cmd_generate(args) -> int:
     from pqcache.serving.loading import load_model
     from pqcache.serving.prompt import build_prompt
 
+    if not args.question.strip():  # before the model loads: a blank question would only continue the document
+        raise InputError('the question is empty: ask about the document, e.g. --question "What is the pass key?"')
     context = ""
     if args.context_file is not None and str(args.context_file) == "-":  # standard input
         context = read_bytes(sys.stdin.buffer.read(MAX_DOCUMENT_BYTES + 1), "standard input", args.encoding)
