@@ -249,6 +249,11 @@ def labelled(f, label: str, record_function):
     return call
 
 
+def switch(owner, name: str, a, b):
+    """(A, B): callables that set owner.name to a, or to b."""
+    return (lambda: setattr(owner, name, a)), (lambda: setattr(owner, name, b))
+
+
 def settings(model, what: str, cache=None):
     """(A, B): callables that switch the running model (and its cache) to setting A or B."""
     if what == "blocks":  # A: the PQ layers' device block cache (explicit capacity), B: none (a CPU's default)
@@ -263,31 +268,25 @@ def settings(model, what: str, cache=None):
     if what == "onerow":  # A: the PQ layers' one-row decode step (layer/onerow.py), B: PQLayer.attend's general step
         import pqcache.engine.layer.onerow as onerow
 
-        ready = onerow.ready
-        return (lambda: setattr(onerow, "ready", ready)), (lambda: setattr(onerow, "ready", lambda *_: False))
+        return switch(onerow, "ready", onerow.ready, lambda *_: False)
     if what == "values":  # A: the picks' values summed where they lie (HostTier.value_sums), B: copied, then summed
         import pqcache.engine.layer.onerow as onerow
 
-        return (lambda: setattr(onerow, "VALUES_IN_PLACE", True)), (lambda: setattr(onerow, "VALUES_IN_PLACE", False))
+        return switch(onerow, "VALUES_IN_PLACE", True, False)
     if what == "select":  # A: PQCache's selection in C (native/select.py), B: in torch's operators
         import pqcache.engine.methods.pqcache as method
 
-        return (lambda: setattr(method, "NATIVE_SELECT", True)), (lambda: setattr(method, "NATIVE_SELECT", False))
+        return switch(method, "NATIVE_SELECT", True, False)
     if what == "attention":  # A: the one-row step's attention in one C call (attend_picks), B: torch's, values in place
         import pqcache.engine.layer.onerow as onerow
 
-        on, off = (
-            (lambda: setattr(onerow, "NATIVE_ATTENTION", True)),
-            (lambda: setattr(onerow, "NATIVE_ATTENTION", False)),
-        )
-        return on, off
+        return switch(onerow, "NATIVE_ATTENTION", True, False)
     if what == "threads":
         return (lambda: torch.set_num_threads(2)), (lambda: torch.set_num_threads(1))
     if what == "scores":  # A: the re-rank's scores stand in for the picks' keys, B: the picks' keys fetched too
         import pqcache.engine.methods.pqcache as method
 
-        key = method.PICKED_SCORES
-        return (lambda: setattr(method, "PICKED_SCORES", key)), (lambda: setattr(method, "PICKED_SCORES", "unread"))
+        return switch(method, "PICKED_SCORES", method.PICKED_SCORES, "unread")
     from pqcache.serving.decode_layer import FastDecodeLayer
     from pqcache.serving.decode_weights import DecodeLinear
     from pqcache.serving.quantize import WEIGHT_KINDS
@@ -319,7 +318,7 @@ def settings(model, what: str, cache=None):
 
         heads = {True: model.lm_head, False: ExactArgmaxHead(model.lm_head.head, use_native=False)}
     if what == "lmhead":  # A: the exact-argmax head on the native int8 kernel, B: on torch's int4 and int8 kernels
-        return (lambda: setattr(model, "lm_head", heads[True])), (lambda: setattr(model, "lm_head", heads[False]))
+        return switch(model, "lm_head", heads[True], heads[False])
     if what == "native":  # A: the native kernels (pqcache/native), B: torch's (int8 kernels, gathered re-rank keys)
         from pqcache import native
 

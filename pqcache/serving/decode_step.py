@@ -16,6 +16,8 @@ time there, is timed here.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
@@ -67,10 +69,10 @@ class FastDecodeStep:
         x = hidden.view(1, -1)  # (1, E)
         obs = getattr(cache, "observer", None)
         for layer, kind in zip(self.layers, self.layer_types):
-            fast, start = layer.forward, obs.now() if obs is not None else None
-            x = fast.step(x, rotary[kind], cache.layers[fast.attn.layer_idx])
-            if obs is not None:  # what the observer's hooks record around the layer's forward (a CPU: no sync)
-                obs.event("device compute", fast.attn.layer_idx, start, obs.now())
+            fast = layer.forward
+            # the span the observer's hooks record around a layer's forward
+            with obs.span("device compute", fast.attn.layer_idx) if obs is not None else nullcontext():
+                x = fast.step(x, rotary[kind], cache.layers[fast.attn.layer_idx])
         logits = self.model.lm_head(text.norm(x.view(1, 1, -1)))  # (1, 1, V)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
