@@ -22,6 +22,7 @@ python scripts/decode_probe.py parts --seq-len 8192                    # wall-cl
 python scripts/decode_probe.py omp --seq-len 1024                      # decode beside a thread with OpenMP helpers
 python scripts/decode_probe.py app                                     # the app's own answer rate (gradio_client)
 python scripts/decode_probe.py app --document-tokens 8192             # the same on a passkey document of ~8K tokens
+python scripts/decode_probe.py panels --document-tokens 8192          # the app's answers in process; panels' draws
 
 Each prefills one prompt (the passkey filler) and decodes greedily. A/B runs alternate bursts of 5 timed decode
 steps between settings A and B after one prefill, so the machine's drifts hit both; they print the median,
@@ -236,6 +237,52 @@ def app(args):
         for method in ("pqcache", "full", "pqcache", "full"):
             job = client.submit("List the numbers from 1 to 100.", [], method, 64, "5", api_name="/ask")
             print(list(job)[-1][1])
+
+
+def panels(args):
+    """The app's answer path in process, at its load settings (DocumentSession.ask, LoadSettings) on a passkey
+    document of about --document-tokens tokens (default 8192): the first token's time and the answer's with the
+    app's observer and without, alternating; then each live panel's draw time (median of 5) on the records of the
+    last observed answer."""
+    from pqcache import Instrumentation
+    from pqcache.serving.session import DocumentSession
+    from pqcache.serving.settings import LoadSettings
+    from pqcache.tools.passkey import LONG_QUESTION, passkey_context
+    from studio.panels import merged_data
+    from viz import figures
+
+    model, tok = load_model("default", device="cpu", progress=lambda *_: None)
+    session = DocumentSession(model, tok, LoadSettings().to_config())
+    session.load(passkey_context("68422", n_filler=max(1, (args.document_tokens or 8192) // 24)))
+    session.cache.wait()
+    seen = None  # the last observed answer's records
+    for observed in (True, False, True, False):
+        obs = Instrumentation(timeline=True, attention_every=4, recall_every=4) if observed else None  # the app's
+        t0, first = time.perf_counter(), []
+        answer = session.ask(
+            LONG_QUESTION, "pqcache", 64, observer=obs, on_token=lambda a, f=first: f.append(time.perf_counter())
+        )
+        seen = obs or seen
+        print(
+            f"observer {observed!s:5}: first token {(first[0] - t0) * 1e3:.0f} ms, {len(answer.tokens)} tokens in "
+            f"{answer.seconds:.2f} s"
+        )
+    data, stats = merged_data(session, seen), session.last_stats
+    layer = min(r["layer"] for r in data["attention"])
+    draws = {
+        "power law": lambda: figures.power_law(data, layer),
+        "recall": lambda: figures.recall(data, "pqcache"),
+        "hit rate": lambda: figures.hit_rate(data, "pqcache"),
+        "timeline (last 5 s)": lambda: figures.timeline(data, "cpu", 5.0),
+        "memory": lambda: figures.memory(stats),
+    }
+    for name, draw in draws.items():
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            draw()
+            times.append(time.perf_counter() - t0)
+        print(f"{name}: {statistics.median(times) * 1e3:.1f} ms ({len(data['events'])} timeline events)")
 
 
 def labelled(f, label: str, record_function):
@@ -477,7 +524,7 @@ def head(args):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["hooks", "ops", "ab", "head", "parts", "omp", "app"])
+    p.add_argument("mode", choices=["hooks", "ops", "ab", "head", "parts", "omp", "app", "panels"])
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--method", default="pqcache", help="hooks, ab: full or pqcache")
     p.add_argument(
@@ -488,10 +535,14 @@ def main():
         help="ab: what A and B differ in",
     )
     p.add_argument("--steps", type=int, default=10, help="hooks, parts, omp: decode steps timed")
-    p.add_argument("--document-tokens", type=int, default=0, help="app: a passkey document of about this many tokens")
+    p.add_argument(
+        "--document-tokens", type=int, default=0, help="app, panels: a passkey document of about this many tokens"
+    )
     args = p.parse_args()
     torch.set_num_threads(2)
-    {"hooks": hooks, "ops": ops, "ab": ab, "head": head, "parts": parts, "omp": omp, "app": app}[args.mode](args)
+    modes = {"hooks": hooks, "ops": ops, "ab": ab, "head": head, "parts": parts, "omp": omp, "app": app}
+    modes["panels"] = panels
+    modes[args.mode](args)
 
 
 if __name__ == "__main__":

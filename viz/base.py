@@ -10,9 +10,10 @@ import plotly.io as pio
 
 HEIGHT = 300
 TEMPLATE = "plotly_white"
-# A template passed to a figure is validated and copied into it: about 20 ms a figure here, five times the rest of a
-# panel's cost, paid while the answer decodes beside it. Plotly applies its default template without that, so viz
-# makes the white one the default once, unless the process already chose another.
+# A template passed to a figure is validated and copied into it: about 9 ms a figure here, two to three times the
+# rest of a small panel's cost (scripts/decode_probe.py panels), paid while the answer decodes beside it. Plotly
+# applies its default template without that, so viz makes the white one the default once, unless the process already
+# chose another.
 if pio.templates.default == "plotly":
     pio.templates.default = TEMPLATE
 
