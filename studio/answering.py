@@ -30,8 +30,9 @@ def literal(text: str) -> str:
 
 def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, feed):
     """Run session.ask on a worker thread and yield (chat, timing line, 5 panels) while it streams: the chat at
-    most every CHAT_EVERY_S seconds, one panel whose data changed at most every PANEL_EVERY_S seconds, all changed
-    panels at the end. The chat's last message is the answer, with the method, its tokens and why it ended."""
+    most every CHAT_EVERY_S seconds, one panel whose data changed (memory excepted) at most every PANEL_EVERY_S
+    seconds, all changed panels at the end. The chat's last message is the answer, with the method, its tokens
+    and why it ended."""
     updates: queue.Queue = queue.Queue()
     result: dict = {}
 
@@ -68,8 +69,9 @@ def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, fe
             if done or now - last_chat < CHAT_EVERY_S:
                 continue
             panels = (gr.skip(),) * 5
-            if now - last_panels >= PANEL_EVERY_S:
-                last_panels, panels = now, feed.figures(limit=1)
+            if now - last_panels >= PANEL_EVERY_S:  # memory waits for the end: the answer's cache statistics
+                # (session.last_stats) are set as it ends, a moment before this loop hears that it did
+                last_panels, panels = now, feed.figures(limit=1, hold=("memory",))
             if text is not None and text != sent:
                 sent = text
                 chat[-1]["content"] = f"{literal(text)}\n\n*{method}, generating...*"

@@ -92,10 +92,11 @@ class PanelFeed:
             if "window" in choices:
                 self.window = WINDOWS.get(choices["window"], choices["window"])
 
-    def figures(self, limit: int | None = None) -> tuple:
+    def figures(self, limit: int | None = None, hold: tuple[str, ...] = ()) -> tuple:
         """The five panels: a figure for each whose data changed since it was drawn, gr.skip() for the others.
         limit: draw at most this many (those drawn longest ago first); the others wait for a later call, so the
-        browser never redraws several Plotly figures in one go while tokens stream."""
+        browser never redraws several Plotly figures in one go while tokens stream. hold: panels left as they
+        are in this call even if their data changed (drawn by a later call without them)."""
         with self.lock:
             session, obs, method = self.session, self.obs, self.method
             data = merged_data(session, obs)
@@ -121,7 +122,7 @@ class PanelFeed:
                 "timeline": lambda: figures.timeline(data, self.device, self.window),
                 "memory": lambda: figures.memory(stats),
             }
-            changed = [name for name in PANELS if self.drawn.get(name) != keys[name]]
+            changed = [name for name in PANELS if name not in hold and self.drawn.get(name) != keys[name]]
             changed.sort(key=lambda name: self.drawn_at.get(name, -1))
             chosen = set(changed[:limit] if limit is not None else changed)
             out = []

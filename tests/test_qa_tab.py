@@ -154,8 +154,25 @@ def test_while_tokens_stream_one_panel_is_redrawn_at_a_time(tab):
     session.ask("what is w3", max_new_tokens=3, observer=obs)
     drawn = []
     for _ in range(5):
-        figs = feed.figures(limit=1)
+        figs = feed.figures(limit=1, hold=("memory",))  # as stream_answer calls it
         assert sum(isinstance(f, go.Figure) for f in figs) <= 1
         drawn += [i for i, f in enumerate(figs) if isinstance(f, go.Figure)]
-    assert sorted(drawn) == sorted(set(drawn)) and len(drawn) >= 4  # each changed panel once, in turn
+    assert sorted(drawn) == sorted(set(drawn)) and len(drawn) == 4  # each changed panel once, in turn
+    assert 4 not in drawn  # the answer's statistics changed memory's data, but it waits for the last update
+    last = feed.figures()
+    assert isinstance(last[4], go.Figure) and last[:4] == (SKIP,) * 4
     assert feed.figures() == (SKIP,) * 5
+
+
+def test_a_new_document_shows_its_own_memory_not_the_last_answers(tab):
+    from studio.panels import stats_of
+
+    load(tab)
+    session = tab.pool.session("ann")
+    session.ask("what is w3", max_new_tokens=3)
+    assert stats_of(session) is session.last_stats  # the answer's cache, with its tokens
+    load(tab, text="w7 w8 w9 " * 40)  # the page's load: a new session for the new document
+    fresh = tab.pool.session("ann")
+    assert fresh is not session and stats_of(fresh) == fresh.cache.stats()
+    session.load("w7 w8 w9 " * 40)  # the Python API's: the same session reads another document
+    assert session.last_stats is None and stats_of(session) == session.cache.stats()

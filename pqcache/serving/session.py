@@ -199,6 +199,7 @@ class DocumentSession:
         if self.cache is not None:
             self.cache.close()
         self.cache, self.prefill_obs, self.n_tokens = None, None, 0
+        self.last_stats = None  # an answer's statistics belong to the document it answered
 
     @torch.no_grad()
     def ask(
