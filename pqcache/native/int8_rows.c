@@ -10,7 +10,9 @@
    same integers either way), and y = float(sum) * xs * scale.
 
    Overflow: a product is at most 32767 * 127 < 2^22; one int32 lane of the vector path adds 256 of them per
-   block of BLOCK columns (4 accumulators x 64), under 2^30, before the block's sum moves to int64. */
+   block of BLOCK columns (4 accumulators x 64), under 2^30, before the block's sum moves to int64. The plain
+   path (a CPU without AVX-512 VNNI, and the vector path's last columns) sums at most PLAIN columns in one int32:
+   512 products are under 2^31 (a block of 4096 wrapped around on an AVX2 CPU: tests/test_native.py). */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -19,7 +21,8 @@
 #define VNNI 1
 #endif
 
-#define BLOCK 4096 /* columns summed in int32 before the sum moves to int64 (see overflow above) */
+#define BLOCK 4096 /* columns summed in int32 lanes before the sum moves to int64 (see overflow above) */
+#define PLAIN 512   /* columns the plain path sums in one int32 (512 * 32767 * 127 < 2^31) */
 
 static int64_t dot_row(const int8_t *w, const int16_t *x, int64_t K) {
   int64_t total = 0;
@@ -45,9 +48,12 @@ static int64_t dot_row(const int8_t *w, const int16_t *x, int64_t K) {
     total += _mm512_reduce_add_epi64(_mm512_add_epi64(_mm512_cvtepi32_epi64(_mm512_castsi512_si256(a)),
                                                       _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(a, 1))));
 #endif
-    int32_t rest = 0;
-    for (; k < k1; k++) rest += (int32_t)w[k] * (int32_t)x[k];
-    total += rest;
+    while (k < k1) {
+      int64_t k2 = k + PLAIN < k1 ? k + PLAIN : k1;
+      int32_t rest = 0;
+      for (; k < k2; k++) rest += (int32_t)w[k] * (int32_t)x[k];
+      total += rest;
+    }
   }
   return total;
 }
