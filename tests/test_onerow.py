@@ -2,6 +2,7 @@
 scores, same picks, same tiers and codes afterwards; with the picks' values read in place (native), the same
 tokens and picks, scores within float32 rounding."""
 
+import collections
 import contextlib
 
 import pytest
@@ -125,20 +126,79 @@ def test_one_row_step_after_a_question_chunk_on_a_fork(monkeypatch, in_place):
 
 
 def test_steps_the_one_row_path_does_not_take(monkeypatch):
-    """A batch of two rows, an observer, a block cache: PQLayer.attend (the path stays out of their way)."""
+    """A batch of two rows, an observer that records every step's positions: PQLayer.attend (the path stays out of
+    their way)."""
     model = tiny_model("llama")
     ids = torch.randint(1, 96, (2, 200), generator=torch.Generator().manual_seed(1))
-    for cfg, observe, rows in (
+    for cfg, selections, rows in (
         (PQCacheConfig(token_budget=0.2, **SMALL), False, 2),
-        (PQCacheConfig(token_budget=0.2, **SMALL), True, 1),
-        (PQCacheConfig(token_budget=0.2, block_size=16, block_cache_tokens=32, **SMALL), False, 1),
+        (PQCacheConfig(token_budget=0.2, block_size=16, block_cache_tokens=32, **SMALL), True, 1),
     ):
         with _one_row(monkeypatch) as taken, torch.no_grad():
             cache = PQCache(model, cfg)
-            if observe:
-                cache.instrument(attention_every=0, recall_every=0)
+            obs = cache.instrument(attention_every=0, recall_every=0, selections=True) if selections else None
             greedy_generate(model, ids[:rows], cache, n=4)
         assert taken == [] and cache.pq_layers[0].counters["steps"] == 3
+        assert obs is None or len(obs.selected) == 3 * len(cache.pq_layers)
+
+
+def _observed(model, ids, cfg, one_row: bool, monkeypatch, n=12):
+    """Greedy tokens under the app's kind of observer (timeline, power law and recall at sampled steps) ->
+    (sequences, scores, cache, one-row steps taken, the observer's records)."""
+    with _one_row(monkeypatch, one_row) as taken, torch.no_grad():
+        cache = PQCache(model, cfg)
+        obs = cache.instrument(timeline=True, attention_every=2, recall_every=3)
+        seq, scores = greedy_generate(model, ids, cache, n=n)
+    return seq, scores, cache, len(taken), obs.to_dict()
+
+
+def _lanes(records) -> collections.Counter:
+    """The timeline's spans by lane and layer (their times differ from run to run)."""
+    return collections.Counter((e["lane"], e["layer"]) for e in records["events"] if e["lane"] != "host clustering")
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["values-copied", "values-in-place"])
+def test_block_cache_and_observer_keep_the_general_steps_books(arch, in_place, monkeypatch):
+    """The app's answer (a device block cache, its observer) takes the one-row step: the same tokens and picks as
+    PQLayer.attend, the same block-cache hits, misses, admissions and bytes, the same records for the panels
+    (power law and recall at the sampled steps, hits per step); values copied: bit-identical, and the same
+    timeline spans; values read in place: scores within float32 rounding, and no span for a copy that does not
+    happen (only the block cache's admissions are copies)."""
+    monkeypatch.setattr(onerow, "VALUES_IN_PLACE", in_place)
+    model = tiny_model(arch)
+    ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(11))
+    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, block_size=8, block_cache_tokens=48, **SMALL)
+    seq, scores, cache, taken, got = _observed(model, ids, cfg, True, monkeypatch)
+    ref_seq, ref_scores, ref_cache, ref_taken, want = _observed(model, ids, cfg, False, monkeypatch)
+    n_pq = len(cache.pq_layers)
+    assert taken == 11 * n_pq and ref_taken == 0
+    assert torch.equal(seq, ref_seq)
+    hits = sum(layer.counters["hits"] for layer in cache.pq_layers)
+    assert hits > 0 and sum(layer.counters["misses"] for layer in cache.pq_layers) > 0  # the books moved
+    assert got["blocks"] == want["blocks"] and got["bytes"] == want["bytes"]
+    assert [(r["layer"], r["step"]) for r in got["recall"]] == [(r["layer"], r["step"]) for r in want["recall"]]
+    assert [(r["layer"], r["step"]) for r in got["attention"]] == [(r["layer"], r["step"]) for r in want["attention"]]
+    assert got["recall"] and got["attention"]
+    if not in_place:
+        assert torch.equal(scores, ref_scores)
+        _same_layers(cache, ref_cache)
+        assert got["recall"] == want["recall"] and got["attention"] == want["attention"]
+        assert _lanes(got) == _lanes(want)  # the copies of the picks and admissions, the stores: spans alike
+        return
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    for x, y in zip(cache.pq_layers, ref_cache.pq_layers, strict=True):
+        assert x.counters == y.counters
+        assert torch.equal(x.window.blocks.slot_block, y.window.blocks.slot_block)  # the same blocks admitted
+        for a, b in zip(x.last_selection, y.last_selection, strict=True):
+            assert torch.equal(a, b)
+    for a, b in zip(got["recall"], want["recall"], strict=True):
+        torch.testing.assert_close(a["topk_recall"], b["topk_recall"], rtol=1e-4, atol=1e-4)
+    assert _lanes(got) == _lanes(want)  # a "copy to device" span a step: the general step's copies, here admissions
+    no_blocks = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, **SMALL)
+    *_, taken, records = _observed(model, ids, no_blocks, True, monkeypatch)
+    lanes = _lanes(records)
+    assert taken == 11 * n_pq and not any(lane == "copy to device" for lane, _ in lanes)  # nothing was copied
+    assert all(lanes[("copy to host", layer.layer_idx)] == 1 + 11 for layer in cache.pq_layers)
 
 
 @pytest.mark.parametrize("setting", ["re-rank of every candidate", "re-rank of 4k", "raw sum over the GQA group"])

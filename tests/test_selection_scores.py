@@ -6,6 +6,7 @@ import torch
 
 import pqcache.engine.methods.pqcache as pqcache_method
 from pqcache import PQCache, PQCacheConfig
+from pqcache.engine.layer import onerow
 from pqcache.engine.layer.attention import masked_attention
 from pqcache.engine.methods.oracle import Oracle
 
@@ -48,6 +49,7 @@ def test_attention_with_selection_scores_equals_attention_over_fetched_keys(monk
     model = tiny_model("qwen2")
     ids = torch.randint(1, 96, (1, 600), generator=torch.Generator().manual_seed(5))
     cfg = PQCacheConfig(token_budget=0.2, **SMALL)
+    monkeypatch.setattr(onerow, "ready", lambda layer, query: False)  # PQLayer.attend (onerow.py always re-ranks)
     with torch.no_grad():
         seq, scores, moved, cache = _moved_to_device(model, ids, cfg, method)
         # the scores path off: PQCache leaves its scores under a key the layer does not read, the oracle keeps them

@@ -1,31 +1,37 @@
 """A PQ layer's decode step for one row and one new token, in few operators (the CPU decode path, issue 15).
 
-PQLayer.attend serves every case: batches of left-padded rows, question chunks, the device block cache,
-forks, the instrumentation and nine selection methods, through a read-only view and per-row lists. On a CPU
-that generality costs more than the arithmetic: about 250 top-level operators and about a millisecond of Python per
+PQLayer.attend serves every case: batches of left-padded rows, question chunks, forks, selections recorded
+for the instrumentation and nine selection methods, through a read-only view and per-row lists. On a CPU that
+generality costs more than the arithmetic: about 250 top-level operators and about a millisecond of Python per
 layer and step at 8K tokens, where the step's real work (PQ search, re-rank, fetch, attention) is about as much.
 
-The step a user's answer takes (one row, one token, PQCache's own selection, no block cache, no observer) is
-computed here with the same functions on the same tensors for everything that is arithmetic (PQ scores, the
-GQA combine, top-k with its tie rule, the re-rank, the masked attention, the codes of the new key), so its
-output and picks are those of PQLayer.attend (tests/test_onerow.py); only the bookkeeping is shorter: the
-picks' values are copied into the buffer directly (no block cache to consult), the mask of a window whose sinks
-and ring are all real tokens is known, and no timeline span or observer hook runs: about 190 top-level operators
-at 8K (docs/benchmarks.md, seventh pass). Anything else (a padded row, a new token that is
-not real, a second codebook segment, OPQ, an observer, a block cache) takes PQLayer.attend.
+The step a user's answer takes (one row, one token, PQCache's own selection) is computed here with the same
+functions on the same tensors for everything that is arithmetic (PQ scores, the GQA combine, top-k with its tie
+rule, the re-rank, the masked attention, the codes of the new key), so its output and picks are those of
+PQLayer.attend (tests/test_onerow.py); only the bookkeeping is shorter: the picks' values are copied into the
+buffer from the host tier directly, and the mask of a window whose sinks and ring are all real tokens is known.
+The device block cache keeps its books as in PQLayer.attend (the same look-up, hits and misses, admissions and
+bytes): the values it holds are copies of the host tier's, so where a pick is read from does not change the
+output. An observer gets the same records (timeline spans, block-cache hits, bytes, the sampled steps' power law
+and recall). Anything else (a padded row, a new token that is not real, a second codebook segment, OPQ, an
+observer that records every step's positions) takes PQLayer.attend.
 
 Where pqcache/native built and the host tier holds float32 (a CPU), the picks' values are not copied at all: the
 attention's weighted sum over them reads each where it lies in the host tier (HostTier.value_sums), and the
 window's part and the new token's are added; on a CPU the whole attention is one C call (native/select.attend_picks:
 the window's scores, one softmax with the re-rank's scores, the weighted sums). The same softmax, another summation
-order: within float32 rounding of PQLayer.attend's output, the same picks (tests/test_onerow.py).
+order: within float32 rounding of PQLayer.attend's output, the same picks (tests/test_onerow.py). Then the timeline
+shows no copy of the picks to the device (none happens); the block cache's admissions are copies, and shown.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 
 from pqcache.engine.layer.attention import masked_attention, query_key_dots
+from pqcache.engine.layer.probe import observe_picks
 from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
 from pqcache.native import select as native_select
 
@@ -35,13 +41,14 @@ NATIVE_ATTENTION = True  # ...and the whole attention in one C call (native/sele
 
 def ready(layer, query: torch.Tensor) -> bool:
     """Whether `layer`'s step for query (B, Hq, Q, D) can take this path (checked after the method's prepare)."""
-    if query.shape[0] != 1 or query.shape[2] != 1 or type(layer.method) is not PQCacheMethod or layer.obs is not None:
+    if query.shape[0] != 1 or query.shape[2] != 1 or type(layer.method) is not PQCacheMethod:
         return False
-    window, index = layer.window, layer.method_state.get("index")
-    if window.blocks is not None or index is None or len(index.segments) != 1 or index.rotations:
+    if layer.obs is not None and layer.obs.selections:  # the position of every buffer slot: PQLayer.attend's
         return False
-    state = _state(layer)
-    return state.real
+    index = layer.method_state.get("index")
+    if index is None or len(index.segments) != 1 or index.rotations:
+        return False
+    return _state(layer).real
 
 
 class _State:
@@ -89,25 +96,33 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
             top, top_valid, scores = rerank_exact(host, qs, top, top_valid, [k], mode)
 
     kk, lo = top.shape[2], window.n_init + window.L
-    if VALUES_IN_PLACE and scores is not None and softcap is None and host.reads_in_place:
+    _, hit = window.look_up(top, top_valid)  # the block cache's books (it holds copies of host values)
+    in_place = VALUES_IN_PLACE and scores is not None and softcap is None and host.reads_in_place
+    with layer.span("copy to device") if not in_place or window.blocks is not None else nullcontext():
+        if not in_place:  # the picks into the buffer after the sinks and ring (values only when re-ranked)
+            window.ensure(kk, 1)
+            bh = torch.arange(H).repeat_interleave(kk)
+            picked_k, picked_v = host.rows(bh, top.to(host.host).reshape(-1), keys=scores is None)
+            window.v[0, :, lo : lo + kk] = picked_v.view(H, kk, D)
+            if scores is None:
+                window.k[0, :, lo : lo + kk] = picked_k.view(H, kk, D)
+        admitted = window.admit(top, top_valid)
+    moved = window.moved(hit, top_valid, scores is None, admitted)
+    if in_place:
         out = _attend_in_place(q, window, lo, (top, top_valid, scores), k_new, v_new, new_valid, host, scaling)
-        return _append(layer, state, index, top, top_valid, k_new, v_new, new_valid, out)
-    # the picks into the buffer after the sinks and ring (values only when the re-rank scored their keys)
-    window.ensure(kk, 1)
-    bh = torch.arange(H).repeat_interleave(kk)
-    picked_k, picked_v = host.rows(bh, top.to(host.host).reshape(-1), keys=scores is None)
-    window.v[0, :, lo : lo + kk] = picked_v.view(H, kk, D)
-    if scores is None:
-        window.k[0, :, lo : lo + kk] = picked_k.view(H, kk, D)
-    window.k[:, :, lo + kk : lo + kk + 1] = k_new
-    window.v[:, :, lo + kk : lo + kk + 1] = v_new
-    if state.ones is None or state.ones.shape[1] != H or state.ones.shape[3] != lo:
-        state.ones = torch.ones((1, H, 1, lo), dtype=torch.bool, device=layer.device)
-    mask = torch.cat([state.ones, top_valid[:, :, None, :], new_valid.view(1, 1, 1, 1).expand(1, H, 1, 1)], dim=3)
-    keys, values = window.k[:, :, : lo + kk + 1], window.v[:, :, : lo + kk + 1]
-    known = None if scores is None else (lo, scores)
-    out, _ = masked_attention(q, keys, values, mask, scaling, softcap, known)
-    return _append(layer, state, index, top, top_valid, k_new, v_new, new_valid, out)
+    else:
+        window.k[:, :, lo + kk : lo + kk + 1] = k_new
+        window.v[:, :, lo + kk : lo + kk + 1] = v_new
+        if state.ones is None or state.ones.shape[1] != H or state.ones.shape[3] != lo:
+            state.ones = torch.ones((1, H, 1, lo), dtype=torch.bool, device=layer.device)
+        new_mask = new_valid.view(1, 1, 1, 1).expand(1, H, 1, 1)
+        mask = torch.cat([state.ones, top_valid[:, :, None, :], new_mask], dim=3)
+        keys, values = window.k[:, :, : lo + kk + 1], window.v[:, :, : lo + kk + 1]
+        known = None if scores is None else (lo, scores)
+        out, _ = masked_attention(q, keys, values, mask, scaling, softcap, known)
+    if layer.obs is not None:
+        observe_picks(layer, q, scaling, top, top_valid, moved)
+    return _append(layer, state, index, top, top_valid, moved, k_new, v_new, new_valid, out)
 
 
 def _attend_in_place(q, window, lo: int, picks, k_new, v_new, new_valid, host, scaling: float) -> torch.Tensor:
@@ -136,12 +151,12 @@ def _attend_in_place(q, window, lo: int, picks, k_new, v_new, new_valid, host, s
     return out.view(1, H * G, 1, D).transpose(1, 2)
 
 
-def _append(layer, state, index, top, top_valid, k_new, v_new, new_valid, out) -> torch.Tensor:
+def _append(layer, state, index, top, top_valid, moved, k_new, v_new, new_valid, out) -> torch.Tensor:
     """The new token into the host tier, flags, its ring slot, its codes (PQLayer._append); the step's
     selection and counters. Returns out."""
     host, window = layer.host, layer.window
     layer.last_selection = (top, top_valid)
-    start = host.append(k_new, v_new)
+    start = layer._store(k_new, v_new)  # (a "copy to host" span and its bytes when observed)
     host.valid[:, start : start + 1] = new_valid
     host.searchable[:, start : start + 1] = new_valid
     window.ring_write(k_new, v_new, start)
@@ -149,6 +164,7 @@ def _append(layer, state, index, top, top_valid, k_new, v_new, new_valid, out) -
     window.n_real[0] += real
     state.real = real == 1  # a token that is not real would change the ring's mask: PQLayer.attend from now on
     index.append(start, k_new)
-    layer.counters["misses"] += int(top_valid.sum())
+    layer.counters["hits"] += moved["hits"]
+    layer.counters["misses"] += moved["misses"]
     layer.counters["steps"] += 1
     return out

@@ -25,13 +25,21 @@ def observe_step(layer, q, scaling, top, top_valid, probs, mask, moved):
             obs.record_selection(layer.layer_idx, step, chosen)
     if obs is None:
         return
+    n_new = mask.shape[2]
+    if n_new > 1 and (obs.wants_attention(step) or obs.wants_recall(step)):
+        # a chunk (a question): its last token, as a decode step's one (each sorts S scores a row)
+        B, H, R, D = q.shape
+        q = q.view(B, H, R // n_new, n_new, D)[:, :, :, -1]  # (B, H, G, D): rows are (query head, token)
+    observe_picks(layer, q, scaling, top, top_valid, moved)
+
+
+def observe_picks(layer, q, scaling, top, top_valid, moved):
+    """The instrumentation's records of a step (the layer has an observer): block-cache hits, bytes moved, and at
+    the sampled steps the power law and recall. q (B, H, G, D): the step's (last) token's unscaled queries."""
+    obs, step = layer.obs, layer.counters["steps"]
     obs.record_blocks(layer.layer_idx, step, moved["hits"], moved["misses"])
     obs.moved("to_device", moved["moved"])
     if obs.wants_attention(step) or obs.wants_recall(step):
-        n_new = mask.shape[2]
-        if n_new > 1:  # a chunk (a question): its last token, as a decode step's one (each sorts S scores a row)
-            B, H, R, D = q.shape
-            q = q.view(B, H, R // n_new, n_new, D)[:, :, :, -1]  # (B, H, G, D): rows are (query head, token)
         probe(layer, obs, step, q, scaling, top, top_valid)
 
 

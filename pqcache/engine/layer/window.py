@@ -107,11 +107,7 @@ class DeviceWindow:
             -1
         )  # rows of k.view(-1, D)
         out_k, out_v = self.k.view(-1, D), self.v.view(-1, D)
-        if self.blocks is not None:
-            slot = self.blocks.lookup(top)
-            hit = (slot >= 0) & valid
-        else:
-            slot, hit = None, torch.zeros_like(valid)
+        slot, hit = self.look_up(top, valid)
         miss_rows = (~hit).reshape(-1).nonzero().squeeze(1)
         hit_rows = hit.reshape(-1).nonzero().squeeze(1)
         if hit_rows.numel():
@@ -126,11 +122,30 @@ class DeviceWindow:
             if keys:
                 out_k.index_copy_(0, dest[miss_rows], mk.to(self.device, non_blocking=True))
             out_v.index_copy_(0, dest[miss_rows], mv.to(self.device, non_blocking=True))
-        el = self.k.element_size()
-        moved = (2 if keys else 1) * miss_rows.numel() * D * el
-        if self.blocks is not None:
-            admitted = self.blocks.admit(top, valid, host, host.S - max(self.n_local))
-            moved += 2 * admitted * D * el
+            admitted = self.admit(top, valid)
+        return self.moved(hit, valid, keys, admitted)
+
+    def look_up(self, top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """top, valid (B, H, k) -> the block-cache slot of each position (None without a block cache) and
+        hit (B, H, k): the valid picks a cached block holds."""
+        if self.blocks is None:
+            return None, torch.zeros_like(valid)
+        slot = self.blocks.lookup(top)
+        return slot, (slot >= 0) & valid
+
+    def admit(self, top: torch.Tensor, valid: torch.Tensor) -> int:
+        """After a step's look-up: the block cache admits the hottest blocks of its picks (its policy) ->
+        bytes copied in. Only blocks older than every row's window: those never change."""
+        if self.blocks is None:
+            return 0
+        admitted = self.blocks.admit(top, valid, self.host, self.host.S - max(self.n_local))
+        return 2 * admitted * self.host.D * self.k.element_size()
+
+    def moved(self, hit: torch.Tensor, valid: torch.Tensor, keys: bool, admitted: int) -> dict:
+        """A step's fetch in figures: hits, misses and bytes to the device (every pick slot not served by the
+        block cache, its value and, keys=True, its key; then the blocks admitted)."""
+        n_miss_slots = hit.numel() - int(hit.sum())
+        moved = (2 if keys else 1) * n_miss_slots * self.host.D * self.k.element_size() + admitted
         return {"hits": int(hit.sum()), "misses": int((valid & ~hit).sum()), "moved": moved}
 
     def assemble(self, top_valid: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor):
