@@ -41,6 +41,7 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("int8_rows.c", "gather_dot.c", "layer_step.c", "pq_select.c")]
+HEADERS = [Path(__file__).with_name("lanes16.h")]  # included by the sources: part of the build's name too
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 OPERANDS = (torch.int8, torch.float32)  # q, scale
 _why_not: list[str] = []  # why library() is None (set when it is)
@@ -66,7 +67,7 @@ def build(compiler: str | None = None) -> Path:
     compiler = compiler or os.environ.get("CC", "cc")
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C compiler: {compiler!r} is not on PATH (set CC, or install gcc)")
-    parts = [path.read_bytes() for path in SOURCES] + [" ".join(FLAGS).encode(), _cpu_flags().encode()]
+    parts = [path.read_bytes() for path in SOURCES + HEADERS] + [" ".join(FLAGS).encode(), _cpu_flags().encode()]
     key = hashlib.sha256(b"\0".join([*parts, compiler.encode()]))
     target = kernel_dir() / f"kernels-{platform.machine()}-{key.hexdigest()[:16]}.so"
     if target.exists():

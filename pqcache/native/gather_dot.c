@@ -7,40 +7,37 @@
    guess them).
 
    The sums are float32 in a fixed order for every key (16 lanes of every 16th column, then the lanes added as a
-   tree): the same on every thread count, not torch's order, so the scores differ from a torch matmul's in the
-   last bits. */
+   tree, lanes16.h): the same on every thread count and on AVX-512 and AVX2 CPUs, not torch's order, so the scores
+   differ from a torch matmul's in the last bits. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "lanes16.h"
 
 #define AHEAD 8 /* keys prefetched ahead of the one being scored: 1.2-1.3 ms against 1.9 ms without, for 13K
                    sorted rows of a 32K store (4 to 32 ahead all alike; ad hoc, docs/benchmarks.md) */
 
-#if defined(__AVX512F__)
 static inline void prefetch_row(const float *k, int64_t D) {
-  for (int64_t d = 0; d < D; d += 16) _mm_prefetch((const char *)(k + d), _MM_HINT_T0);
+  for (int64_t d = 0; d < D; d += 16) __builtin_prefetch(k + d); /* a 64-byte line each */
 }
-#endif
 
 /* one key against rows q[0..r_n) (r_n <= 4), D a multiple of 16 on the vector path */
 static void dot_rows(const float *k, const float *q, int64_t r_n, int64_t D, float *out) {
-#if defined(__AVX512F__)
+#if defined(LANES16)
   if (D % 16 == 0) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    f16x a0 = f16_zero(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t d = 0; d < D; d += 16) {
-      __m512 kv = _mm512_loadu_ps(k + d);
-      a0 = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + d), a0);
-      if (r_n > 1) a1 = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + D + d), a1);
-      if (r_n > 2) a2 = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + 2 * D + d), a2);
-      if (r_n > 3) a3 = _mm512_fmadd_ps(kv, _mm512_loadu_ps(q + 3 * D + d), a3);
+      f16x kv = f16_load(k + d);
+      a0 = f16_fmadd(kv, f16_load(q + d), a0);
+      if (r_n > 1) a1 = f16_fmadd(kv, f16_load(q + D + d), a1);
+      if (r_n > 2) a2 = f16_fmadd(kv, f16_load(q + 2 * D + d), a2);
+      if (r_n > 3) a3 = f16_fmadd(kv, f16_load(q + 3 * D + d), a3);
     }
-    out[0] = _mm512_reduce_add_ps(a0);
-    if (r_n > 1) out[1] = _mm512_reduce_add_ps(a1);
-    if (r_n > 2) out[2] = _mm512_reduce_add_ps(a2);
-    if (r_n > 3) out[3] = _mm512_reduce_add_ps(a3);
+    out[0] = f16_sum(a0);
+    if (r_n > 1) out[1] = f16_sum(a1);
+    if (r_n > 2) out[2] = f16_sum(a2);
+    if (r_n > 3) out[3] = f16_sum(a3);
     return;
   }
 #endif
@@ -56,9 +53,7 @@ void gather_dot(const float *keys, int64_t stride, const int64_t *pos, int64_t n
                 int64_t D, float *out) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < n; i++) {
-#if defined(__AVX512F__)
     if (i + AHEAD < n) prefetch_row(keys + pos[i + AHEAD] * stride, D);
-#endif
     const float *k = keys + pos[i] * stride;
     for (int64_t r0 = 0; r0 < R; r0 += 4) dot_rows(k, q + r0 * D, R - r0 < 4 ? R - r0 : 4, D, out + i * R + r0);
   }
@@ -79,9 +74,7 @@ int gather_weighted_sum(const float *values, int64_t stride, const int64_t *pos,
     int64_t i0 = n * t / nt, i1 = n * (t + 1) / nt;
     float *mine = part + (int64_t)t * R * D;
     for (int64_t i = i0; i < i1; i++) {
-#if defined(__AVX512F__)
       if (i + AHEAD < i1) prefetch_row(values + pos[i + AHEAD] * stride, D);
-#endif
       const float *v = values + pos[i] * stride;
       for (int64_t r = 0; r < R; r++) {
         float w = p[i * R + r], *o = mine + r * D;

@@ -21,9 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+
+#include "lanes16.h" /* 16 float lanes: AVX-512, or AVX2 in two halves */
 
 int int8_rows_mm(const float *x, const int8_t *q, const float *scale, float *y, int64_t R, int64_t N, int64_t K);
 
@@ -41,13 +40,13 @@ typedef struct {
 static float dot(const float *a, const float *b, int64_t n) {
   int64_t i = 0;
   float s = 0.0f;
-#if defined(__AVX512F__)
-  __m512 s0 = _mm512_setzero_ps(), s1 = s0;
+#if defined(LANES16)
+  f16x s0 = f16_zero(), s1 = s0;
   for (; i + 32 <= n; i += 32) {
-    s0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), s0);
-    s1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), s1);
+    s0 = f16_fmadd(f16_load(a + i), f16_load(b + i), s0);
+    s1 = f16_fmadd(f16_load(a + i + 16), f16_load(b + i + 16), s1);
   }
-  s = _mm512_reduce_add_ps(_mm512_add_ps(s0, s1));
+  s = f16_sum(f16_add(s0, s1));
 #endif
   for (; i < n; i++) s += a[i] * b[i];
   return s;
@@ -84,27 +83,34 @@ int layer_qkv(const Layer *L, const float *x, const float *cos, const float *sin
   return failed;
 }
 
+#if defined(__AVX512F__)
+#define KEYS 4 /* keys a step of scores() holds: 16 accumulators in 32 zmm registers */
+#else
+#define KEYS 1 /* AVX2's 16 ymm registers: 1 key x 4 rows x 2 halves; 2 or 4 keys spill (ad hoc at 512 and 8192
+                  keys: 0.06-0.07 ms and 3.7-4.2 ms with 1, 0.08-0.09 and 5.0-5.7 with 2, 0.07-0.09 and 4.5-4.9 with 4) */
+#endif
+
 /* s[h * n + j] = scaling q_h . k_j for the g query rows q (g, D) of one key/value head and its keys j0..j1 (row j
    at k + j * D) */
 static void scores(const float *q, int64_t g, const float *k, int64_t j0, int64_t j1, int64_t D, float scaling,
                    float *s, int64_t n) {
   int64_t j = j0;
-#if defined(__AVX512F__)
+#if defined(LANES16)
   if (g <= 4 && D % 16 == 0)
-    /* four keys against four query rows at a time: 8 loads for 16 FMAs (one key at a time: 5 for 4) */
-    for (; j + 4 <= j1; j += 4) {
-      __m512 acc[4][4];
-      for (int a = 0; a < 4; a++)
-        for (int h = 0; h < 4; h++) acc[a][h] = _mm512_setzero_ps();
+    /* KEYS keys against four query rows at a time: on AVX-512 8 loads for 16 FMAs (one key at a time: 5 for 4) */
+    for (; j + KEYS <= j1; j += KEYS) {
+      f16x acc[KEYS][4];
+      for (int a = 0; a < KEYS; a++)
+        for (int h = 0; h < 4; h++) acc[a][h] = f16_zero();
       for (int64_t d = 0; d < D; d += 16) {
-        __m512 kd[4], qd[4];
-        for (int a = 0; a < 4; a++) kd[a] = _mm512_loadu_ps(k + (j + a) * D + d);
-        for (int h = 0; h < 4; h++) qd[h] = _mm512_loadu_ps(q + (h < g ? h : g - 1) * D + d);
-        for (int a = 0; a < 4; a++)
-          for (int h = 0; h < 4; h++) acc[a][h] = _mm512_fmadd_ps(kd[a], qd[h], acc[a][h]);
+        f16x kd[KEYS], qd[4];
+        for (int a = 0; a < KEYS; a++) kd[a] = f16_load(k + (j + a) * D + d);
+        for (int h = 0; h < 4; h++) qd[h] = f16_load(q + (h < g ? h : g - 1) * D + d);
+        for (int a = 0; a < KEYS; a++)
+          for (int h = 0; h < 4; h++) acc[a][h] = f16_fmadd(kd[a], qd[h], acc[a][h]);
       }
       for (int h = 0; h < g; h++)
-        for (int a = 0; a < 4; a++) s[h * n + j + a] = _mm512_reduce_add_ps(acc[a][h]) * scaling;
+        for (int a = 0; a < KEYS; a++) s[h * n + j + a] = f16_sum(acc[a][h]) * scaling;
     }
 #endif
   for (; j < j1; j++)
@@ -133,6 +139,29 @@ static void weighted_values(const float *p, int64_t g, const float *v, int64_t j
         for (int c = 0; c < 4; c++) {
           float *out = o + h * D + d + 16 * c;
           _mm512_storeu_ps(out, _mm512_add_ps(_mm512_loadu_ps(out), acc[h][c]));
+        }
+    }
+    return;
+  }
+#elif defined(LANES16)
+  if (g <= 4 && D % 64 == 0) {
+    /* the same sums in 8-lane registers (each column's fused multiply-adds in key order, then added to o: the
+       AVX-512 path's numbers), 16 columns at a time */
+    for (int64_t d = 0; d < D; d += 16) {
+      __m256 acc[4][2];
+      for (int h = 0; h < 4; h++) acc[h][0] = acc[h][1] = _mm256_setzero_ps();
+      for (int64_t j = j0; j < j1; j++) {
+        __m256 v0 = _mm256_loadu_ps(v + j * D + d), v1 = _mm256_loadu_ps(v + j * D + d + 8);
+        for (int h = 0; h < 4 && h < g; h++) {
+          __m256 ph = _mm256_set1_ps(p[h * n + j]);
+          acc[h][0] = _mm256_fmadd_ps(ph, v0, acc[h][0]);
+          acc[h][1] = _mm256_fmadd_ps(ph, v1, acc[h][1]);
+        }
+      }
+      for (int h = 0; h < g; h++)
+        for (int c = 0; c < 2; c++) {
+          float *out = o + h * D + d + 8 * c;
+          _mm256_storeu_ps(out, _mm256_add_ps(_mm256_loadu_ps(out), acc[h][c]));
         }
     }
     return;
