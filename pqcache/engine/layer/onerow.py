@@ -107,6 +107,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
             if scores is None:
                 window.k[0, :, lo : lo + kk] = picked_k.view(H, kk, D)
         admitted = window.admit(top, top_valid)
+    # the bytes the general step copies from the host tier; read in place, the attention reads as many from there
     moved = window.moved(hit, top_valid, scores is None, admitted)
     if in_place:
         out = _attend_in_place(q, window, lo, (top, top_valid, scores), k_new, v_new, new_valid, host, scaling)
