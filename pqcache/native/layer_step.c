@@ -86,8 +86,9 @@ int layer_qkv(const Layer *L, const float *x, const float *cos, const float *sin
 #if defined(__AVX512F__)
 #define KEYS 4 /* keys a step of scores() holds: 16 accumulators in 32 zmm registers */
 #else
-#define KEYS 1 /* AVX2's 16 ymm registers: 1 key x 4 rows x 2 halves; 2 or 4 keys spill (ad hoc at 512 and 8192
-                  keys: 0.06-0.07 ms and 3.7-4.2 ms with 1, 0.08-0.09 and 5.0-5.7 with 2, 0.07-0.09 and 4.5-4.9 with 4) */
+/* AVX2's 16 ymm registers: 1 key x 4 rows x 2 halves; 2 or 4 keys spill (ad hoc, attend_row over 512 and 8192
+   keys: 0.06-0.07 and 3.7-4.2 ms with 1 key, 0.08-0.09 and 5.0-5.7 with 2, 0.07-0.09 and 4.5-4.9 with 4) */
+#define KEYS 1
 #endif
 
 /* s[h * n + j] = scaling q_h . k_j for the g query rows q (g, D) of one key/value head and its keys j0..j1 (row j
