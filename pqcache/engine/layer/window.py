@@ -144,9 +144,9 @@ class DeviceWindow:
     def moved(self, hit: torch.Tensor, valid: torch.Tensor, keys: bool, admitted: int) -> dict:
         """A step's fetch in figures: hits, misses and bytes to the device (every pick slot not served by the
         block cache, its value and, keys=True, its key; then the blocks admitted)."""
-        n_miss_slots = hit.numel() - int(hit.sum())
-        moved = (2 if keys else 1) * n_miss_slots * self.host.D * self.k.element_size() + admitted
-        return {"hits": int(hit.sum()), "misses": int((valid & ~hit).sum()), "moved": moved}
+        hits = int(hit.sum())  # hit is within valid
+        moved = (2 if keys else 1) * (hit.numel() - hits) * self.host.D * self.k.element_size() + admitted
+        return {"hits": hits, "misses": int(valid.sum()) - hits, "moved": moved}
 
     def assemble(self, top_valid: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor):
         """Write the Q new tokens after the k fetched ones -> keys, values (B, H, N, D) and the mask
