@@ -11,7 +11,8 @@ import gradio as gr
 from pqcache.serving.settings import ENCODINGS, TOO_LONG, LoadSettings
 from studio.common import ASSETS
 from studio.panels import WINDOWS, placeholders
-from studio.qa import SAMPLE, QATab
+from studio.qa import QATab
+from studio.qa_load import SAMPLE
 from studio.status import NOTHING
 
 HOW_TO = (

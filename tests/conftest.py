@@ -98,9 +98,39 @@ def real_model():
     return load_model("default", device="cpu")
 
 
+@pytest.fixture
+def cli(real_model, monkeypatch, capsys):
+    """`python -m pqcache ARGS...` run in this process -> CompletedProcess(returncode, stdout, stderr). The bundled
+    model is the session's (loaded once): the CLI's load_model returns it where it would load the same model, and
+    loads anything else as usual."""
+    import subprocess
+
+    from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
+    from pqcache.serving import loading
+    from pqcache.tools.cli import main
+
+    original = loading.load_model
+
+    def load_model(name_or_path=None, device="auto", dtype=None, progress=print, decode_weights=DEFAULT_DECODE_WEIGHTS):
+        same = device in ("auto", "cpu") and dtype is None and decode_weights == DEFAULT_DECODE_WEIGHTS
+        if name_or_path in loading.DEFAULT_NAMES and same:
+            return real_model
+        return original(name_or_path, device=device, dtype=dtype, progress=progress, decode_weights=decode_weights)
+
+    monkeypatch.setattr(loading, "load_model", load_model)
+
+    def run(*args) -> subprocess.CompletedProcess:
+        capsys.readouterr()
+        code = main([str(a) for a in args])
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, out, err)
+
+    return run
+
+
 def launch_app(*flags):
     """`python app.py` launched as a user launches it, on a free localhost port; yields its URL."""
-    from pqcache.tools.loadtest import running_app
+    from pqcache.tools.app_process import running_app
 
     with running_app(*flags) as (url, _):
         yield url

@@ -1,4 +1,7 @@
-"""python -m pqcache: generate --json on the bundled model, bench --json, readable errors."""
+"""python -m pqcache: generate --json on the bundled model, bench --json, readable errors.
+
+One test runs `python -m pqcache` as a user does, in its own process; the others run the same main() in this
+process with the session's bundled model (the `cli` fixture in conftest.py), so the model is loaded once."""
 
 import importlib
 import json
@@ -23,9 +26,10 @@ def run_cli(*args, timeout=600):
     )
 
 
-def generate_json(method: str, max_new_tokens: int) -> dict:
-    """`generate --json` on the passkey document with the plain question: the result object it prints last."""
-    proc = run_cli(
+def generate_json(run, method: str, max_new_tokens: int) -> dict:
+    """`generate --json` on the passkey document with the plain question (run: run_cli or the cli fixture): the
+    result object it prints last."""
+    proc = run(
         "generate", "--method", method, "--context-file", str(PASSKEY), "--question", QUESTION,
         "--max-new-tokens", str(max_new_tokens), "--json",
     )  # fmt: skip
@@ -33,9 +37,17 @@ def generate_json(method: str, max_new_tokens: int) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(scope="module")
-def generations():
-    return {method: generate_json(method, 6) for method in ("full", "pqcache")}
+_GENERATIONS: dict = {}
+
+
+@pytest.fixture
+def generations(cli):
+    """PQCache's answer from `python -m pqcache` in its own process, full attention's from the same CLI in this one
+    (computed once for the module)."""
+    if not _GENERATIONS:
+        _GENERATIONS["pqcache"] = generate_json(run_cli, "pqcache", 6)
+        _GENERATIONS["full"] = generate_json(cli, "full", 6)
+    return _GENERATIONS
 
 
 def test_generate_json_answers_passkey_with_both_methods(generations):
@@ -56,8 +68,8 @@ def test_generate_stats_show_the_tiers(generations):
     assert pq["kmeans_iters"] >= 1
 
 
-def test_bench_attention_json_shape():
-    proc = run_cli("bench", "attention", "--seq-lens", "1024,2048", "--repeats", "2", "--json")
+def test_bench_attention_json_shape(cli):
+    proc = cli("bench", "attention", "--seq-lens", "1024,2048", "--repeats", "2", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)["rows"]
     assert [r["seq_len"] for r in rows] == [1024, 2048]
@@ -89,19 +101,19 @@ def test_bench_attention_json_shape():
         (["--context-file", str(ROOT / "docs" / "screenshots" / "app.png")], "unsupported file type"),
     ],
 )
-def test_generate_bad_input_gives_clear_error(args, message):
-    proc = run_cli("generate", "--question", "hi", "--max-new-tokens", "1", *args)
+def test_generate_bad_input_gives_clear_error(cli, args, message):
+    proc = cli("generate", "--question", "hi", "--max-new-tokens", "1", *args)
     assert proc.returncode != 0
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-def test_bench_decode_and_memory_json_shape():
-    proc = run_cli("bench", "decode", "--seq-lens", "2048,4096", "--repeats", "2", "--shapes", "gemma", "--json")
+def test_bench_decode_and_memory_json_shape(cli):
+    proc = cli("bench", "decode", "--seq-lens", "2048,4096", "--repeats", "2", "--shapes", "gemma", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)["rows"]
     assert [r["seq_len"] for r in rows] == [2048, 4096] and rows[0]["pqcache_growth"] == 1.0
-    proc = run_cli("bench", "memory", "--seq-lens", "1024", "--json")
+    proc = cli("bench", "memory", "--seq-lens", "1024", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)["rows"]
     assert {r["model"] for r in rows} == {"gemma3-270m", "llama-3.1-8b"}
@@ -110,8 +122,8 @@ def test_bench_decode_and_memory_json_shape():
         assert 0 < r["pqcache_device_bytes"] < r["full_device_bytes"]
 
 
-def test_bench_kernels_json_on_the_bundled_models_shapes():
-    proc = run_cli("bench", "kernels", "--repeats", "1", "--json")
+def test_bench_kernels_json_on_the_bundled_models_shapes(cli):
+    proc = cli("bench", "kernels", "--repeats", "1", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)["rows"]
     kernels = ["memory", *["decoder linears"] * 3, *["LM head"] * 3, *["re-rank scores"] * 2, *["PQ search"] * 2]
@@ -122,13 +134,13 @@ def test_bench_kernels_json_on_the_bundled_models_shapes():
     assert rows[5]["mb"] == round((262144 * 640 + 2 * 262144) / 2**20, 1)
 
 
-def test_bench_ttft_and_blockcache_json_shape():
-    proc = run_cli("bench", "ttft", "--seq-lens", "600", "--json")
+def test_bench_ttft_and_blockcache_json_shape(cli):
+    proc = cli("bench", "ttft", "--seq-lens", "600", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     (row,) = json.loads(proc.stdout)["rows"]
     assert {"seq_len", "full_s", "pqcache_s", "ratio"} <= set(row) and row["seq_len"] == 600
     assert row["full_s"] > 0 and row["pqcache_s"] > 0
-    proc = run_cli("bench", "blockcache", "--seq-lens", "1100", "--new-tokens", "6", "--json")
+    proc = cli("bench", "blockcache", "--seq-lens", "1100", "--new-tokens", "6", "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(proc.stdout)["rows"]
     assert {(r["policy"], r["capacity_tokens"]) for r in rows} == {(p, c) for p in ("lru", "lfu") for c in (512, 1024)}
@@ -136,20 +148,20 @@ def test_bench_ttft_and_blockcache_json_shape():
 
 
 @pytest.mark.parametrize("method", ["oracle", "streaming", "h2o", "snapkv", "pyramidkv", "sparq", "infllm"])
-def test_generate_every_method_from_the_cli(method):
-    result = generate_json(method, 3)
+def test_generate_every_method_from_the_cli(cli, method):
+    result = generate_json(cli, method, 3)
     assert result["stats"]["method"] == method and len(result["tokens"]) == 3
 
 
-def test_datasets_and_eval_end_to_end(tmp_path):
+def test_datasets_and_eval_end_to_end(cli, tmp_path):
     cases = tmp_path / "niah.jsonl"
-    proc = run_cli(
+    proc = cli(
         "datasets", "niah", "--lengths", "700", "--depths", "0.5", "--query-aware", "both", "--out", str(cases)
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(cases.read_text().splitlines()) == 2
     out = tmp_path / "results.jsonl"
-    proc = run_cli(
+    proc = cli(
         "eval",
         "--cases",
         str(cases),
@@ -172,7 +184,7 @@ def test_datasets_and_eval_end_to_end(tmp_path):
     assert len(rows) == 6 and all(0 <= r["score"] <= 1 for r in rows)
 
 
-def test_eval_bad_input_messages(tmp_path):
+def test_eval_bad_input_messages(cli, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
     for args, message in [
@@ -180,7 +192,7 @@ def test_eval_bad_input_messages(tmp_path):
         (["--cases", str(bad), "--methods", "full,nope"], "unknown method(s) nope"),
         ([], "give --cases"),
     ]:
-        proc = run_cli("eval", *args)
+        proc = cli("eval", *args)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
 
 

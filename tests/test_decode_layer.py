@@ -1,4 +1,4 @@
-"""The short decode forward of Gemma 3 layers (pqcache/serving/decode_layer.py): bit-identical to the model's
+"""The short decode forward of Gemma 3 layers (pqcache/fastpath/layer.py): bit-identical to the model's
 forward with the quantized decode linears (int8, int4), under full attention and PQCache, and only where it
 applies; its step in C (native.LayerStep) within 1e-4 of the torch step, with the same greedy tokens."""
 
@@ -8,11 +8,12 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-import pqcache.serving.decode_layer as decode_layer
+import pqcache.fastpath.layer as decode_layer
 from pqcache import PQCache, PQCacheConfig, native
 from pqcache.engine.layer import onerow
-from pqcache.serving.decode_layer import FastDecodeLayer, install_fast_decode
-from pqcache.serving.decode_weights import install_decode_weights
+from pqcache.fastpath.install import install_fast_decode
+from pqcache.fastpath.layer import FastDecodeLayer
+from pqcache.fastpath.weights import install_decode_weights
 from pqcache.serving.generate import decode_one_token, prefill
 
 from .conftest import tiny_model
@@ -67,14 +68,14 @@ def test_fast_decode_layer_is_bit_identical_to_the_models_forward(monkeypatch, m
         assert install_fast_decode(model) == 0  # installed once
         got = _decode(model, make_cache(model), ids)
     assert _fast_steps(model) == 8 * len(model.model.layers)  # every decode step, no prefill chunk
-    assert model.fast_decode_step.steps == 8  # without the model's forward around the layers (decode_step.py)
+    assert model.fast_decode_step.steps == 8  # without the model's forward around the layers (fastpath/step.py)
     assert torch.equal(got, ref)
 
 
 @pytest.mark.parametrize("prompt_tokens", [10, 23, 24, 70])
 @pytest.mark.parametrize("kv_heads", [2, 4])
 def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch, prompt_tokens, kv_heads):
-    """The step without the model's forward (decode_step.py) against the layers' short forward inside the model's
+    """The step without the model's forward (fastpath/step.py) against the layers' short forward inside the model's
     forward: the same logits from contexts shorter than the sliding window (24 tokens: its mask, which the step
     does not pass, is all ones either way) to longer ones, with grouped query heads and without, for full
     attention and PQCache at full and small budgets; with an observer attached (the app's live panels) the step

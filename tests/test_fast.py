@@ -1,4 +1,4 @@
-"""The fast CPU path (issue 15): chunked prefill, bf16, the exact-argmax LM head, and `bench e2e`'s rows."""
+"""The fast CPU path: chunked prefill, bf16, the exact-argmax LM head, and `bench e2e`'s rows."""
 
 import json
 import subprocess
@@ -9,10 +9,10 @@ import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 from pqcache import PQCache, PQCacheConfig, native
-from pqcache.serving import fast
-from pqcache.serving.decode_weights import DecodeLinear, FusedSiblings, install_decode_weights
+from pqcache.fastpath import dtype as fast
+from pqcache.fastpath.lmhead import ExactArgmaxHead, install_exact_argmax_head
+from pqcache.fastpath.weights import DecodeLinear, FusedSiblings, install_decode_weights
 from pqcache.serving.generate import decode_n_tokens, make_cache, prefill
-from pqcache.serving.lmhead import ExactArgmaxHead, install_exact_argmax_head
 from pqcache.tools import e2e
 
 from .conftest import COMMON, byte_tokenizer, greedy_generate, tiny_model
@@ -225,7 +225,7 @@ def test_exact_argmax_head_falls_back_on_flat_distributions(monkeypatch):
         assert capped(nan).shape == (1, 1, 4000) and capped.stats["int4_fallbacks"] == 2
         exact_only = ExactArgmaxHead(head, max_candidates=100, use_native=False)
         assert torch.equal(exact_only(flat), head(flat)) and exact_only.stats["exact_fallbacks"] == 1
-        monkeypatch.setattr("pqcache.serving.lmhead.int4_kernel_available", lambda: False)
+        monkeypatch.setattr("pqcache.fastpath.lmhead.int4_kernel_available", lambda: False)
         int8_only = ExactArgmaxHead(head, use_native=False)
         assert not int8_only.int4
         for h in (flat, *spiky.split(1)):
@@ -328,7 +328,7 @@ def test_int4_copies_of_four_bit_weights_keep_their_grid():
     """Groups already on a 4-bit grid keep it (their step as the scale): the int4 copy is the weights up to the bf16
     rounding of scale and zero, far inside half a step, where the (max - min) / 15 scale of a group using 11 of the
     16 levels misplaces them by up to a third of a step; weights off any 4-bit grid are recognised as such."""
-    from pqcache.serving.quantize import grid_steps, is_four_bit, quantize_int4
+    from pqcache.fastpath.quantize import grid_steps, is_four_bit, quantize_int4
 
     g = torch.Generator().manual_seed(4)
     w = _on_four_bit_grid(64, 128, g)
@@ -421,7 +421,7 @@ def test_e2e_bench_cli_runs_each_runner_in_its_own_process(tiny_model_dir):
 
 
 def test_bench_kernels_rows():
-    """`bench kernels`: the decode step's matrices as decode_weights.py stacks them, and one row per kernel with its
+    """`bench kernels`: the decode step's matrices as fastpath/weights.py stacks them, and one row per kernel with its
     bytes, rate and one-thread time, the memory's streaming rate first (the rate the others are compared with)."""
     from pqcache.tools.kernels import bench_kernels, decoder_shapes
 

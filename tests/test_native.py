@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pqcache import native
-from pqcache.serving.quantize import Int8Rows
+from pqcache.fastpath.quantize import Int8Rows
 
 
 def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 
 from pqcache.cluster.client import ClusterDocuments
-from pqcache.serving.decode_weights import DEFAULT_DECODE_WEIGHTS
+from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
 
 APP = "pqcache"
 PACKAGE = Path(__file__).resolve().parents[1]  # the pqcache package, uploaded to the cluster

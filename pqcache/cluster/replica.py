@@ -19,7 +19,7 @@ import time
 import uuid
 
 from pqcache.cluster.views import document_view, message_of
-from pqcache.serving.decode_weights import DEFAULT_DECODE_WEIGHTS
+from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
 
 STREAM_EVERY_S = 0.25  # the growing answer is sent at most this often
 PANELS_EVERY_S = 1.0  # the panels' new records at most this often

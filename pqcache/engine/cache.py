@@ -29,7 +29,7 @@ from pqcache.engine.shapes import head_dim_of
 from pqcache.engine.threads import torch_on_this_thread_only
 
 ATTN_NAME = "pqcache"
-OBSERVER_HOOK = "pqcache_observer"  # marks instrument()'s hooks: serving/decode_step.py times the layers itself
+OBSERVER_HOOK = "pqcache_observer"  # marks instrument()'s hooks: pqcache/fastpath/step.py times the layers itself
 _active = threading.local()
 
 

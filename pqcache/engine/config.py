@@ -57,7 +57,7 @@ class PQCacheConfig:
     # Device block cache (per layer): blocks of `block_size` tokens, `block_cache_tokens` capacity
     # (0 = off), up to `block_admit` blocks admitted per step, "lfu" (official) or "lru" eviction.
     # None: DEVICE_BLOCK_CACHE_TOKENS on an accelerator, off on a CPU, where the device and host tiers are the
-    # same memory: there the cache saves no transfer and its bookkeeping cost 3-5% of a decode step (issue 15).
+    # same memory: there the cache saves no transfer and its bookkeeping cost 3-5% of a decode step.
     # The app sets it explicitly: its panel shows what the cache does on a GPU.
     block_size: int = 128
     block_cache_tokens: int | None = None

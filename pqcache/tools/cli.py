@@ -90,7 +90,7 @@ def _table(rows: list[dict]) -> str:
 
 
 def cmd_bench(args) -> int:
-    from pqcache.tools import bench
+    from pqcache.tools import bench, bench_model
 
     if args.which == "e2e":
         from pqcache.tools.e2e import cli_e2e
@@ -113,11 +113,13 @@ def cmd_bench(args) -> int:
             rows = bench.bench_decode(shapes=args.shapes, **kw)
     elif args.which == "memory":
         kw.pop("repeats", None)
-        rows = bench.bench_memory(**kw)
+        rows = bench_model.bench_memory(**kw)
     elif args.which == "kernels":
         from pqcache.tools.kernels import bench_kernels
 
-        rows = bench_kernels(bench._config_for("gemma3-270m")[0], repeats=args.repeats or 10, threads=args.threads)
+        rows = bench_kernels(
+            bench_model._config_for("gemma3-270m")[0], repeats=args.repeats or 10, threads=args.threads
+        )
     else:
         from pqcache.serving.loading import load_model
 
@@ -125,9 +127,11 @@ def cmd_bench(args) -> int:
             args.model, device=args.device, dtype=args.dtype, progress=_stderr, decode_weights=args.decode_weights
         )
         if args.which == "ttft":
-            rows = bench.bench_ttft(model, tok, **kw)
+            rows = bench_model.bench_ttft(model, tok, **kw)
         else:
-            rows = bench.bench_blockcache(model, tok, seq_len=(args.seq_lens or [4096])[0], new_tokens=args.new_tokens)
+            rows = bench_model.bench_blockcache(
+                model, tok, seq_len=(args.seq_lens or [4096])[0], new_tokens=args.new_tokens
+            )
     if args.json:
         print(json.dumps({"rows": rows}))
     else:

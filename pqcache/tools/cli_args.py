@@ -7,8 +7,8 @@ from pathlib import Path
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.methods import METHODS
-from pqcache.serving.decode_weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS
-from pqcache.serving.fast import DTYPE_CHOICES
+from pqcache.fastpath.dtype import DTYPE_CHOICES
+from pqcache.fastpath.weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS
 
 
 def _opt_ints(text: str) -> tuple:

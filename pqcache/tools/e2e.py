@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -18,8 +19,8 @@ import tempfile
 from pathlib import Path
 
 from pqcache import native
-from pqcache.serving.decode_weights import DEFAULT_DECODE_WEIGHTS
-from pqcache.serving.fast import available_cpus, dtype_name, resolve_dtype
+from pqcache.fastpath.dtype import available_cpus, dtype_name, resolve_dtype
+from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
 from pqcache.serving.loading import DEFAULT_NAMES
 
 RUNNERS = ("llama.cpp", "full", "pqcache")
@@ -33,27 +34,53 @@ def llama_cpp_installed() -> bool:
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
     """n token ids of a long English document (the passkey filler), BOS first: every runner gets these."""
-    from pqcache.tools.bench import _ids
+    from pqcache.tools.bench_model import _ids
 
     return _ids(tokenizer, n)[0].tolist()
 
 
+# the runner's process: `python -m pqcache.tools.e2e_runner SPEC.json` (the tests put a runner that crashes here)
+RUNNER_COMMAND = (sys.executable, "-m", "pqcache.tools.e2e_runner")
+FAILURE_LINES = 6  # the last lines a failed runner printed, kept in its row
+
+
 def run_in_process(spec: dict) -> dict:
-    """One runner in a fresh Python process -> its row (RuntimeError with its stderr when it fails)."""
+    """One runner in a fresh Python process -> its row, or {"error": how it failed} when the process dies (a
+    signal, an exit code) or prints no row: the other runners and lengths still run."""
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
         json.dump(spec, f)
     try:
         proc = subprocess.run(
-            [sys.executable, "-m", "pqcache.tools.e2e_runner", f.name],
+            [*RUNNER_COMMAND, f.name],
             capture_output=True,
             text=True,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
         )
     finally:
         Path(f.name).unlink(missing_ok=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec['runner']} at {len(spec['ids'])} tokens failed:\n{proc.stderr[-2000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    if proc.returncode == 0:
+        try:
+            return json.loads(proc.stdout.strip().splitlines()[-1])
+        except (IndexError, ValueError):
+            pass
+    return {"error": failure(proc.returncode, proc.stdout, proc.stderr)}
+
+
+def failure(returncode: int, stdout: str, stderr: str) -> str:
+    """How a runner's process ended, and the last lines it printed: "killed by SIGSEGV (signal 11); last output:
+    ..." (a negative returncode is the signal that ended it)."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = "a signal"
+        how = f"killed by {name} (signal {-returncode})"
+    elif returncode > 0:
+        how = f"exited with code {returncode}"
+    else:
+        how = "exited without printing its row"
+    lines = [line for line in (stderr + "\n" + stdout).splitlines() if line.strip()][-FAILURE_LINES:]
+    return how + ("; last output: " + " | ".join(lines) if lines else "; it printed nothing")
 
 
 def run_inline(spec: dict) -> dict:
@@ -120,7 +147,10 @@ def bench_e2e(
                     continue
                 if progress is not None:
                     progress(f"{runner} at {s} tokens (turn {turn + 1}/{repeats})")
-                results[runner].append(run({**common, "runner": runner, "ids": ids}))
+                result = run({**common, "runner": runner, "ids": ids})
+                if "error" in result and progress is not None:
+                    progress(f"{runner} at {s} tokens failed: {result['error']}")
+                results[runner].append(result)
         rows += summarize(s, results, llama_note, common)
     return rows
 
@@ -129,15 +159,18 @@ def summarize(seq_len: int, results: dict[str, list[dict]], llama_note: str | No
     """The median of each runner's turns, the ratios against llama.cpp, and how many of the greedy tokens
     agree with full attention's (the same model and dtype: a check that the fast paths kept the output)."""
     rows = {}
-    for runner, runs in results.items():
+    for runner, turns in results.items():
         row = {"seq_len": seq_len, "runner": runner, "prefill_tok_s": None, "decode_ms": None, "peak_rss_bytes": None}
+        runs = [r for r in turns if "error" not in r]
+        if len(runs) < len(turns):
+            row["error"] = next(r["error"] for r in turns if "error" in r)
         if runs:
             row["prefill_tok_s"] = round(statistics.median(r["prefill_tok_s"] for r in runs), 1)
             row["decode_ms"] = round(statistics.median(r["decode_ms"] for r in runs), 2)
             row["peak_rss_bytes"] = max(r["peak_rss_bytes"] for r in runs)
             row["tokens"] = runs[0]["tokens"]
             row["settings"] = describe(runner, common)
-        elif runner == "llama.cpp":
+        elif runner == "llama.cpp" and llama_note:
             row["note"] = llama_note
         rows[runner] = row
     llama, full = rows.get("llama.cpp"), rows.get("full")
@@ -173,13 +206,15 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'tokens':>7} {'runner':>9} {'prefill':>8} {'decode':>7} {'MiB':>6} {'pre/llama':>9} {'dec/llama':>9} same")
     for r in rows:
         if r["prefill_tok_s"] is None:
-            print(f"{r['seq_len']:>7} {r['runner']:>9}  {r.get('note', '')}")
+            print(f"{r['seq_len']:>7} {r['runner']:>9}  {r.get('error') or r.get('note', '')}")
             continue
         print(
             f"{r['seq_len']:>7} {r['runner']:>9} {r['prefill_tok_s']:>8} {r['decode_ms']:>7} "
             f"{r['peak_rss_bytes'] / 2**20:>6.0f} {r.get('prefill_vs_llama', '-'):>9} "
             f"{r.get('decode_vs_llama', '-'):>9} {r.get('tokens_as_full', '-')}"
         )
+        if r.get("error"):  # some turns failed, the others gave the figures
+            print(f"{'':>17} a turn failed: {r['error']}")
 
 
 def cli_e2e(args) -> int:

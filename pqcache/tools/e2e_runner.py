@@ -59,7 +59,7 @@ def run_torch(spec: dict, ids: list[int]) -> dict:
     import torch
 
     from pqcache.engine.config import PQCacheConfig
-    from pqcache.serving.decode_weights import DEFAULT_DECODE_WEIGHTS
+    from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
     from pqcache.serving.generate import decode_one_token, make_cache, prefill
     from pqcache.serving.loading import load_model
 

@@ -4,7 +4,7 @@ memory.
 A one-row decode step reads every decoder weight and the LM head once. If the kernels ran at the rate the memory
 streams, the step's weight time would be bytes / bandwidth; this benchmark measures, in one run on the machine it
 runs on, that streaming rate (a float32 sum over a buffer as large as the int8 decoder copies) and each kernel's
-effective rate on the bundled model's shapes: the decoder linears of every layer as decode_weights.py stacks them
+effective rate on the bundled model's shapes: the decoder linears of every layer as fastpath/weights.py stacks them
 (q/k/v and gate/up one matrix each), cycled so that each call finds its weights out of the caches as a decode step
 does, and the LM head; the re-rank's exact scores of a 32K-token context (native.gather_dot against a gathered
 copy and a matmul); and PQCache's first stage over the same context (the codes' lookups, the GQA combine, the top-k:
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from pqcache import native
-from pqcache.serving.quantize import GROUP, Int4Groups, Int8Rows, int4_kernel_takes, quantize_int4
+from pqcache.fastpath.quantize import GROUP, Int4Groups, Int8Rows, int4_kernel_takes, quantize_int4
 from pqcache.tools.bench import _median_ms
 
 

@@ -15,83 +15,20 @@ Ray Serve replicas (docs/scaling.md); their resident memory comes from the app's
 from __future__ import annotations
 
 import json
-import os
 import random
-import socket
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
 from pqcache.serving.settings import LoadSettings
+from pqcache.tools.app_process import ROOT, drain, external_app, proc_status, replicas_rss, running_app, watch
 from pqcache.tools.passkey import LONG_QUESTION, QUESTION
 
-ROOT = Path(__file__).resolve().parents[2]  # the checkout: app.py, assets/
 PASSKEY = ROOT / "assets" / "passkey_1k.txt"
 SETTINGS = LoadSettings()  # the app's load form, at its defaults
 # replies that are a readable message, not a failure: the server is full, or evicted this user
 MESSAGES = ("**Error:**", "Load a document first", "Your document was unloaded", "Stopped:", "Error: load a document")
-
-
-@contextmanager
-def running_app(*flags, startup_s: float = 300.0):
-    """`python app.py --port P *flags` on a free localhost port; yields (url, process). Its output goes
-    to a temporary log file (a pipe nobody reads would fill up and block the server)."""
-    import tempfile
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(
-        [sys.executable, "app.py", "--port", str(port), *flags],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    deadline = time.time() + startup_s
-    try:
-        while True:  # wait until the server accepts connections
-            if proc.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"app.py exited: {log.read()[-4000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.time() > deadline:
-                    raise RuntimeError(f"app.py did not start within {startup_s:.0f} s") from None
-                time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}/", proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
-
-
-def proc_status(pid: int) -> dict:
-    """Resident memory (MiB), threads and child processes of a process, from /proc."""
-    fields = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            fields[key] = value.strip()
-    children = 0
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    children += int(f.read().rsplit(")", 1)[1].split()[1]) == pid
-            except (OSError, IndexError, ValueError):
-                pass
-    return {"rss_mib": int(fields["VmRSS"].split()[0]) / 1024, "threads": int(fields["Threads"]), "children": children}
 
 
 class User:
@@ -194,7 +131,7 @@ def run(
 
     with (
         tempfile.TemporaryDirectory() as tmp,
-        running_app(*(app_args or [])) if url is None else _external(url) as (url, proc),
+        running_app(*(app_args or [])) if url is None else external_app(url) as (url, proc),
     ):
         bad_files = make_bad_files(Path(tmp))
         admin = Client(url, verbose=False)
@@ -203,24 +140,12 @@ def run(
         warm._call("load", lambda: warm._load(PASSKEY))
         warm._call("ask", lambda: warm._ask(8))
         warm._call("unload", lambda: warm.client.predict(api_name="/unload_document")[0])
-        _drain(admin, drain_timeout, floor)
+        drain(admin, drain_timeout, floor)
         before = proc_status(proc.pid) if proc else None
         replicas_before = replicas_rss(admin.predict(api_name="/server_status"))
         peak = dict(before or {})
         done = threading.Event()
-
-        def monitor():
-            while not done.wait(0.5):
-                if proc:
-                    now = proc_status(proc.pid)
-                    for key in now:
-                        peak[key] = max(peak.get(key, 0), now[key])
-                status = admin.predict(api_name="/server_status")
-                peak["cache_mib"] = max(peak.get("cache_mib", 0), status["cache_bytes"] / 2**20)
-                if "workers" in status:
-                    peak["replicas_rss_mib"] = max(peak.get("replicas_rss_mib", 0), replicas_rss(status))
-
-        watcher = threading.Thread(target=monitor, daemon=True)
+        watcher = threading.Thread(target=watch, args=(admin, proc, peak, done), daemon=True)
         watcher.start()
         users, after, replicas_after, hung, drained, t0 = [], [], [], 0, True, time.perf_counter()
         for r in range(rounds):
@@ -233,7 +158,7 @@ def run(
             for t in threads:
                 t.join(duration + 2 * request_timeout)
             hung += sum(t.is_alive() for t in threads)
-            drained &= _drain(admin, drain_timeout, floor)
+            drained &= drain(admin, drain_timeout, floor)
             if proc:
                 after.append(proc_status(proc.pid))
             replicas_after.append(replicas_rss(admin.predict(api_name="/server_status")))
@@ -273,13 +198,6 @@ def run(
     }
 
 
-def replicas_rss(status: dict) -> float | None:
-    """The Ray replicas' resident memory added up (MiB), from the app's /server_status; None without --ray."""
-    if "workers" not in status:
-        return None
-    return round(sum(w.get("rss_mib") or 0 for w in status["workers"] if w.get("up")), 1)
-
-
 def _message_counts(records) -> dict:
     """How often each readable message came back (its first words)."""
     counts: dict = {}
@@ -288,21 +206,6 @@ def _message_counts(records) -> dict:
             key = " ".join(r["reply"].replace("**Error:**", "Error:").split()[:7])
             counts[key] = counts.get(key, 0) + 1
     return dict(sorted(counts.items(), key=lambda kv: -kv[1]))
-
-
-@contextmanager
-def _external(url: str):
-    yield url, None
-
-
-def _drain(admin, timeout: float, floor: int = 0) -> bool:
-    """Wait until the server's document caches are back to `floor` bytes (0: none)."""
-    deadline = time.time() + timeout
-    while admin.predict(api_name="/server_status")["cache_bytes"] > floor:
-        if time.time() > deadline:
-            return False
-        time.sleep(0.5)
-    return True
 
 
 def format_report(r: dict) -> str:

@@ -1,10 +1,11 @@
 """PQLayer: the KV cache of one full-attention layer under PQCache, as a transformers cache layer.
 
-It composes four parts, one file each in this folder:
+It composes these parts, one file each in this folder:
   host.py       HostTier     every token's K/V by position (host memory), validity, gathers
   window.py     DeviceWindow [ sinks | local-window ring | fetched top-k | new tokens ] on the device
   attention.py  masked_attention over that buffer
   index.py      PQIndex      codebooks, codes and background K-Means (owned by the PQCache method)
+  general.py    the step for any batch, chunk and method; onerow.py the same step for one row and one token
 and asks the selection method (methods/) which middle tokens to fetch, through a read-only view.
 
 A decode step (or a multi-token chunk after the prefill) attends to
@@ -27,13 +28,11 @@ from transformers.cache_utils import CacheLayerMixin
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import InputError
-from pqcache.engine.layer import onerow
-from pqcache.engine.layer.attention import masked_attention
+from pqcache.engine.layer import general, onerow
 from pqcache.engine.layer.host import HostTier
-from pqcache.engine.layer.probe import observe_step
 from pqcache.engine.layer.view import LayerView
 from pqcache.engine.layer.window import DeviceWindow
-from pqcache.engine.methods.base import PICKED_SCORES, Method, positions_of
+from pqcache.engine.methods.base import PICKED_SCORES, Method
 from pqcache.engine.methods.full import Full
 
 
@@ -214,41 +213,7 @@ class PQLayer(CacheLayerMixin):
         if onerow.ready(self, query):  # a decode step of one row: the same step in few operators (onerow.py)
             return onerow.attend(self, query, k_new, v_new, new_valid, scaling, softcap)
         self._one_row = None  # what onerow.py knew of the window may not hold after this step
-        B, Hq, Q, D = query.shape
-        H = self.host.H
-        q = query.reshape(B, H, Hq // H * Q, D)  # query heads h*G..h*G+G-1 share KV head h
-
-        exact_chunk = Q > 1 and self.config.chunk_attention == "exact"
-        scores = None  # the picks' exact scaled scores (B, H, k, R), when the selection computed them
-        if exact_chunk:  # a question after a cached document reads every cached token, as the prefill did
-            top, top_valid = positions_of(self.candidates()[:, None, :].expand(-1, H, -1))
-        else:
-            top, top_valid = self.select(q, scaling)
-            scores = self.method_state.pop(PICKED_SCORES, None)
-        self.window.ensure(top.shape[2], Q)
-        moved = self.window.fetch(top, top_valid, self.span, keys=scores is None)
-        self.counters["hits"] += moved["hits"]
-        self.counters["misses"] += moved["misses"]
-        keys, values, mask = self.window.assemble(top_valid, k_new, v_new, new_valid)
-        known = None if scores is None else (self.window.n_init + self.window.L, scores)
-        out, probs = masked_attention(q, keys, values, mask, scaling, softcap, known)
-
-        self.last_selection = (top, top_valid)
-        observe_step(self, q, scaling, top, top_valid, probs, mask, moved)
-        self._append(k_new, v_new, new_valid)
-        self.counters["steps"] += 1
-        if exact_chunk:  # back to the budget's size: the whole context stays on the device only for the chunk
-            self.window.resize(max(self.topk_counts()), 1)
-        return out
-
-    def _append(self, k_new, v_new, new_valid):
-        start = self._store(k_new, v_new)
-        Q = k_new.shape[2]
-        self.host.valid[:, start : start + Q] = new_valid
-        self.host.searchable[:, start : start + Q] = new_valid
-        self.window.ring_write(k_new, v_new, start)
-        self.window.n_real = [n + int(c) for n, c in zip(self.window.n_real, new_valid.sum(1).tolist(), strict=True)]
-        self.method.on_append(self.view(), start, k_new)
+        return general.attend(self, query, k_new, v_new, new_valid, scaling, softcap)
 
     # ---- forks and accounting ------------------------------------------------------------------------
     def fork(self, method: Method, executor: Executor, config: PQCacheConfig | None = None) -> PQLayer:

@@ -1,4 +1,4 @@
-"""A PQ layer's decode step for one row and one new token, in few operators (the CPU decode path, issue 15).
+"""A PQ layer's decode step for one row and one new token, in few operators (the CPU decode path).
 
 PQLayer.attend serves every case: batches of left-padded rows, question chunks, forks, selections recorded
 for the instrumentation and nine selection methods, through a read-only view and per-row lists. On a CPU that
@@ -153,7 +153,7 @@ def _attend_in_place(q, window, lo: int, picks, k_new, v_new, new_valid, host, s
 
 
 def _append(layer, state, index, top, top_valid, moved, k_new, v_new, new_valid, out) -> torch.Tensor:
-    """The new token into the host tier, flags, its ring slot, its codes (PQLayer._append); the step's
+    """The new token into the host tier, flags, its ring slot, its codes (general.append); the step's
     selection and counters. Returns out."""
     host, window = layer.host, layer.window
     layer.last_selection = (top, top_valid)

@@ -9,7 +9,7 @@ Int8Rows multiplies with pqcache/native's int8_rows.c where it built (x rounded 
 rounded to bf16); Int4Groups with torch's (x rounded to bf16). Both return float32. A decode step reads every
 weight once: 18 layers of the bundled model's decoder linears took 10 ms a step as int8 through torch's kernel and
 4 ms as int4 here; the native int8 kernel reads them near the memory's streaming rate (docs/benchmarks.md, `bench
-kernels`). Used by the decode linears (decode_weights.py) and the LM head (lmhead.py).
+kernels`). Used by the decode linears (fastpath/weights.py) and the LM head (lmhead.py).
 """
 
 from __future__ import annotations

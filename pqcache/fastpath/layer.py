@@ -4,13 +4,13 @@ A CPU decode step of the bundled model runs 18 decoder layers of about 125 small
 RMSNorms of ten operators, the rotary embedding's slices and concatenations, view/transpose/cast around each
 projection), and each operator costs microseconds of dispatch whatever its size: more than the layer's weights
 take to read. This forward computes the same thing in about 45: one quantized matmul for q/k/v and one for
-gate/up (decode_weights.py's stacked copies), both head norms on the stacked q and k heads at once, the rotary
+gate/up (fastpath/weights.py's stacked copies), both head norms on the stacked q and k heads at once, the rotary
 embedding as one roll and two products. Every value is computed by the same arithmetic in the same order as
-transformers' Gemma3DecoderLayer with decode_weights.py's linears, so the output is bit-identical
+transformers' Gemma3DecoderLayer with fastpath/weights.py's linears, so the output is bit-identical
 (tests/test_decode_layer.py), and the cache and the attention function (PQCache's, SDPA) are called exactly as
 the model calls them. Forwards of more rows (prefill chunks, a question), other devices and dtypes, and layers
 without the quantized copies run the model's own forward. `step` is the same forward for one real token of one
-row, called by decode_step.py with the layer's cache and attention reached directly.
+row, called by fastpath/step.py with the layer's cache and attention reached directly.
 
 Where pqcache/native built and the copies are its int8 rows, `step` runs the layer in three C calls instead
 (native.LayerStep, layer_step.c: 0.25 against 0.40 ms a sliding layer's step here, warm caches, ad hoc): the same
@@ -30,7 +30,7 @@ from transformers.models.gemma3.modeling_gemma3 import eager_attention_forward
 
 from pqcache import native
 from pqcache.engine.layer.layer import PQLayer
-from pqcache.serving.decode_weights import DecodeLinear
+from pqcache.fastpath.weights import DecodeLinear
 
 LAYER_CLASSES = ("Gemma3DecoderLayer",)  # the layers whose forward this file reproduces
 ONE_REAL = torch.ones((1, 1), dtype=torch.bool)  # a step's new token is a real one (PQLayer.attend's new_valid)
@@ -122,7 +122,7 @@ class FastDecodeLayer:
 
     def step(self, x: torch.Tensor, position_embeddings, cache_layer) -> torch.Tensor:
         """x (1, E): one real token of one row -> (1, E), the arithmetic of __call__ with the layer's cache and
-        attention reached directly (decode_step.py): cache_layer is this layer's PQLayer (its attend, as PQCache's
+        attention reached directly (fastpath/step.py): cache_layer is this layer's PQLayer (its attend, as PQCache's
         attention function calls it) or a layer returning the keys the token attends to, all of them (a sliding
         window's, a full-attention layer's of a DynamicCache), with SDPA called as transformers calls it."""
         self.steps += 1
@@ -242,22 +242,3 @@ def fast_decode_ready(layer) -> bool:
         and _is_torch_tanh_gelu(mlp.act_fn)
         and attn.attn_logit_softcapping is None
     )
-
-
-def install_fast_decode(model) -> int:
-    """Give every ready decoder layer (fast_decode_ready) the short decode forward, and a Gemma3ForCausalLM whose
-    layers all have it the one-row decode step around them (decode_step.py, `model.fast_decode_step`); returns
-    how many layers were given it."""
-    from pqcache.engine.cache import decoder_layers
-    from pqcache.serving.decode_step import FastDecodeStep
-
-    memo: dict = {}
-    installed = 0
-    layers = [layer for _, layer in decoder_layers(model)]
-    for layer in layers:
-        if fast_decode_ready(layer) and not isinstance(layer.forward, FastDecodeLayer):
-            layer.forward = FastDecodeLayer(layer, memo)
-            installed += 1
-    if type(model).__name__ == "Gemma3ForCausalLM" and all(isinstance(x.forward, FastDecodeLayer) for x in layers):
-        model.fast_decode_step = FastDecodeStep(model)
-    return installed

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pqcache import native
-from pqcache.serving.quantize import GROUP, int4_kernel_available, int8_kernel_takes, quantize_int4, quantize_rows
+from pqcache.fastpath.quantize import GROUP, int4_kernel_available, int8_kernel_takes, quantize_int4, quantize_rows
 
 BF16_UNIT = 2.0**-8  # unit roundoff of bf16 (8 significant bits, round to nearest): |bf16(v) - v| <= 2**-8 |v|
 # x |score|: torch's kernels' bf16 output rounding (native's output is float32: a few 2**-24 inside this) and, in a

@@ -1,0 +1,119 @@
+"""Loading a document in the Q&A tab: an attached file, pasted text or the bundled sample, prefilled once on a
+worker thread while the status line shows its progress; Stop ends it at the next layer."""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+
+import gradio as gr
+
+from pqcache import Cancelled
+from pqcache.serving.documents import read_document
+from pqcache.serving.settings import LoadSettings
+from studio.common import ASSETS, describe, user_of
+from studio.status import document_name
+
+SAMPLE = "passkey_1k.txt"  # the document *Try a sample* loads (assets/)
+WAIT_S = 0.5  # how often a load's progress (and a waiting question) is looked at
+
+
+class LoadHandlers:
+    """QATab's loading handlers: they use its studio, pool, status book and per-user panel feeds."""
+
+    def load_document(
+        self,
+        file,
+        pasted,
+        method,
+        m,
+        bits,
+        budget,
+        n_init,
+        n_local,
+        policy,
+        capacity,
+        encoding,
+        too_long,
+        request: gr.Request,
+    ):
+        """Prefill the document once (an attached file, else the pasted text); later questions reuse it. Yields
+        the status line (with the load's progress), the layer choices and the panels."""
+        settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long)
+        name = document_name(file, pasted)
+        yield from self._load(user_of(request), name, lambda enc: read_document(file, pasted, encoding=enc), settings)
+
+    def load_sample(
+        self, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, request: gr.Request
+    ):
+        """The bundled sample document, with the load form's settings; its example questions become visible."""
+        settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, "utf-8", too_long)
+        path = os.path.join(ASSETS, SAMPLE)
+        for out in self._load(user_of(request), f"sample {SAMPLE}", lambda enc: read_document(path), settings):
+            yield *out, gr.update(visible=True)
+
+    def _load(self, user: str, name: str, read, settings: LoadSettings):
+        studio, skip = self.studio, (gr.skip(),) * 6  # the layer choices and 5 panels
+        self.feed(user)
+        self.pool.entry(user).stop.clear()  # before the load shows: a Stop from now on ends this load
+        load = self.status.start(user, name)
+        updates: queue.Queue = queue.Queue()
+        result: dict = {}
+        try:
+            yield self.status.line(user), *skip
+            with self.pool.use(user) as entry:
+
+                def progress(fraction, step):
+                    load.fraction, load.step = fraction, step
+                    updates.put(1)
+
+                def work():
+                    try:
+                        settings.to_config(pq_timeout_s=studio.pq_timeout_s)  # the form is checked before the file
+                        text = read(settings.text_encoding)
+                        result["session"] = self.pool.load(user, name, text, settings, progress, entry.stop)
+                    except Exception as exc:  # shown on the status line; the page stays as it was
+                        result["error"] = exc
+                    updates.put(None)
+
+                worker = threading.Thread(target=work, daemon=True, name="pqcache-load")
+                worker.start()
+                done, shown = False, None
+                try:
+                    while not done:
+                        try:
+                            done = updates.get(timeout=WAIT_S) is None
+                            while not done and not updates.empty():
+                                done = updates.get_nowait() is None
+                        except queue.Empty:
+                            pass
+                        line = self.status.line(user)
+                        if not done and line != shown:
+                            shown = line
+                            yield line, *skip
+                finally:  # the page went away mid-load (GeneratorExit): stop the prefill, do not leak it
+                    if not done:
+                        entry.stop.set()
+                        worker.join(timeout=30)
+        finally:  # the worker stored the new document, or gave its reservation back
+            error = result.get("error")
+            stopped = isinstance(error, Cancelled) or "session" not in result and error is None
+            self.status.finish(
+                user, "Stopped: the document was not loaded." if stopped else error and f"**Error:** {describe(error)}"
+            )
+        yield self.status.line(user), *self._show(user, result.get("session"), error)
+
+    def _show(self, user: str, session, error) -> tuple:
+        """The layer choices and panels after a load: the new document's, or (after a failure) the active one's,
+        kept as they were."""
+        feed = self.feed(user)
+        if session is None:
+            active, _ = self.status.active(user)
+            if active is not None:  # a failed load leaves the active document, and the panels, as they were
+                return (gr.skip(),) * 6
+            feed.show(None)
+            return gr.update(choices=[], value=None), *feed.figures()
+        choices = [str(layer.layer_idx) for layer in session.cache.pq_layers]
+        feed.show(session, layer=choices[0] if choices else None)
+        return gr.update(choices=choices, value=choices[0] if choices else None), *feed.figures()

@@ -1,0 +1,62 @@
+"""`bench e2e` when a runner's process dies: its row says how (the signal or exit code, the last lines it printed),
+and the other runners and lengths still run and print."""
+
+import sys
+import textwrap
+
+from pqcache.tools import e2e
+
+# A stand-in for pqcache.tools.e2e_runner: llama.cpp segfaults as the AMX build did, pqcache exits with an error,
+# full prints a row as the real runner does.
+FAKE_RUNNER = textwrap.dedent(
+    """
+    import json, os, signal, sys
+    spec = json.load(open(sys.argv[1]))
+    if spec["runner"] == "llama.cpp":
+        print("llama_model_loader: loaded meta data", flush=True)
+        print("ggml_cpu: first eval", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if spec["runner"] == "pqcache":
+        print("Traceback (most recent call last):", file=sys.stderr)
+        print("RuntimeError: out of memory", file=sys.stderr)
+        sys.exit(3)
+    n = len(spec["ids"])
+    print(json.dumps({"prefill_tok_s": 100.0 + n, "decode_ms": 20.0, "peak_rss_bytes": 2**28, "tokens": [1, 2, 3]}))
+    """
+)
+
+
+def test_a_crashing_runner_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    runner = tmp_path / "fake_runner.py"
+    runner.write_text(FAKE_RUNNER)
+    monkeypatch.setattr(e2e, "RUNNER_COMMAND", (sys.executable, str(runner)))
+    monkeypatch.setattr(e2e, "llama_cpp_installed", lambda: True)
+    messages = []
+    rows = e2e.bench_e2e(
+        seq_lens=[64, 128], decode_tokens=3, gguf=str(tmp_path / "model.gguf"), progress=messages.append
+    )
+
+    assert [(r["seq_len"], r["runner"]) for r in rows] == [(s, r) for s in (64, 128) for r in e2e.RUNNERS]
+    by = {(r["seq_len"], r["runner"]): r for r in rows}
+    for s in (64, 128):
+        crashed, failed, ran = by[s, "llama.cpp"], by[s, "pqcache"], by[s, "full"]
+        assert crashed["error"].startswith("killed by SIGSEGV (signal 11)")
+        assert "ggml_cpu: first eval" in crashed["error"] and "loaded meta data" in crashed["error"]
+        assert failed["error"].startswith("exited with code 3") and "out of memory" in failed["error"]
+        assert crashed["prefill_tok_s"] is None and failed["decode_ms"] is None
+        assert ran["prefill_tok_s"] == 100.0 + s and ran["decode_ms"] == 20.0 and "error" not in ran
+        assert "prefill_vs_llama" not in ran  # no llama.cpp figures to compare with
+    assert sum("failed: killed by SIGSEGV" in m for m in messages) == 2
+
+    e2e.print_table(rows)
+    out = capsys.readouterr().out
+    assert out.count("killed by SIGSEGV (signal 11)") == 2 and out.count("exited with code 3") == 2
+    assert "164.0" in out and "228.0" in out  # full's rows at both lengths
+
+
+def test_failure_says_how_a_process_ended():
+    assert e2e.failure(-11, "", "").startswith("killed by SIGSEGV (signal 11); it printed nothing")
+    assert e2e.failure(-9, "a\n", "b\n") == "killed by SIGKILL (signal 9); last output: b | a"
+    assert e2e.failure(0, "not json", "").startswith("exited without printing its row")
+    many = "\n".join(f"line {i}" for i in range(20))
+    assert e2e.failure(1, "", many).endswith("line 14 | line 15 | line 16 | line 17 | line 18 | line 19")
