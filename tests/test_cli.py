@@ -155,9 +155,7 @@ def test_generate_every_method_from_the_cli(cli, method):
 
 def test_datasets_and_eval_end_to_end(cli, tmp_path):
     cases = tmp_path / "niah.jsonl"
-    proc = cli(
-        "datasets", "niah", "--lengths", "700", "--depths", "0.5", "--query-aware", "both", "--out", str(cases)
-    )
+    proc = cli("datasets", "niah", "--lengths", "700", "--depths", "0.5", "--query-aware", "both", "--out", str(cases))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert len(cases.read_text().splitlines()) == 2
     out = tmp_path / "results.jsonl"
