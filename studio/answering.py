@@ -12,6 +12,7 @@ import gradio as gr
 
 from studio.common import describe, notices
 from studio.panels import PANEL_EVERY_S
+from studio.sources import chat_quotes
 
 CHAT_EVERY_S = 0.3  # the streamed answer is sent at most this often
 ENDINGS = {  # why an answer ended (Answer.ended), as the chat says it
@@ -28,11 +29,11 @@ def literal(text: str) -> str:
     return re.sub(r"^(\s*\d+)\.(?=\s|$)", r"\1\\.", text, flags=re.M)
 
 
-def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, feed):
+def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, feed, on_done=None):
     """Run session.ask on a worker thread and yield (chat, timing line, 5 panels) while it streams: the chat at
     most every CHAT_EVERY_S seconds, one panel whose data changed (memory excepted) at most every PANEL_EVERY_S
-    seconds, all changed panels at the end. The chat's last message is the answer, with the method, its tokens
-    and why it ended."""
+    seconds, all changed panels at the end. The chat's last message is the answer, with the method, its tokens,
+    why it ended and the passages it read most (its sources); on_done(answer) once it has ended."""
     updates: queue.Queue = queue.Queue()
     result: dict = {}
 
@@ -90,8 +91,12 @@ def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, fe
     n, seconds = len(answer.tokens), answer.seconds
     stopped = " (stopped)" if answer.stopped else ""
     why = ENDINGS.get(getattr(answer, "ended", ""), "")
+    quotes = chat_quotes(getattr(answer, "sources", None) or [])
     chat[-1]["content"] = (
         f"{literal(answer.text)}\n\n*{method}: {n} tokens in {seconds:.1f} s{', ' + why if why else ''}*"
+        + (f"\n\n**Sources** (what its attention read most):\n\n{quotes}" if quotes else "")
     )
+    if on_done is not None:
+        on_done(answer)
     status = f"{method}: {n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s){stopped}"
     yield chat, status + notices(session.last_stats), *feed.figures()

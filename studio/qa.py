@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import gradio as gr
 
-from pqcache import Instrumentation
+from pqcache.serving.settings import answer_observer
 from studio.answering import stream_answer
 from studio.common import user_of
 from studio.panels import PanelFeed
 from studio.qa_load import WAIT_S, LoadHandlers
+from studio.sources import choices as source_choices
+from studio.sources import document_view
 from studio.state import Studio
 from studio.status import StatusBook
 
@@ -29,6 +31,7 @@ class QATab(LoadHandlers):
         self.pool = studio.documents
         self.status = StatusBook(self.pool)
         self.feeds: dict[str, PanelFeed] = {}
+        self.answers: dict[str, tuple[str, dict]] = {}  # user -> (document text, the last answer's sources)
         self.notices = 0
         try:
             self.device = next(studio.model.parameters()).device.type
@@ -43,12 +46,25 @@ class QATab(LoadHandlers):
     # ---- asking -------------------------------------------------------------------------------------------
     def ask(self, question, chat, method, max_new_tokens, layer, request: gr.Request):
         """Stream the answer (the chat names the method) and refresh the panels whose data changed; a question
-        asked while the document loads waits for it. Yields the chat, the timing line, the panels and the question
-        box (emptied by the first update: the question moves into the chat)."""
-        box = ""
-        for out in self._ask(question, chat, method, max_new_tokens, layer, user_of(request)):
-            yield *out, box
+        asked while the document loads waits for it. Yields the chat, the timing line, the panels, the question box
+        (emptied by the first update: the question moves into the chat) and, with the answer, its sources to click."""
+        box, user = "", user_of(request)
+        self.answers.pop(user, None)
+        for out in self._ask(question, chat, method, max_new_tokens, layer, user):
+            kept = self.answers.pop(user, None)  # set as the answer ended, right before its last update
+            if kept is None:
+                yield *out, box, gr.skip()
+            else:
+                self.answers[user] = kept
+                labels = source_choices(kept[1].get("sources") or [])
+                yield *out, box, gr.update(choices=labels, value=None, visible=bool(labels))
             box = gr.skip()
+
+    def show_source(self, index, show_missed, request: gr.Request):
+        """The document view for source `index` of the user's last answer: the passage outlined, the attended
+        tokens shaded, and (show_missed) the exact top-k tokens the search missed underlined."""
+        text, answer = self.answers.get(user_of(request), ("", {}))
+        return document_view(text, answer, index, bool(show_missed))
 
     def _ask(self, question, chat, method, max_new_tokens, layer, user):
         chat = list(chat or [])
@@ -81,9 +97,15 @@ class QATab(LoadHandlers):
                 return
             stop = entry.stop
             stop.clear()
-            obs = Instrumentation(timeline=True, attention_every=4, recall_every=4)
+            obs = answer_observer()
             feed.show(session, obs, method, layer=layer)
-            yield from stream_answer(session, question, chat, method, int(max_new_tokens), stop, obs, feed)
+
+            def keep(answer):  # what the document view shows of this answer
+                keys = ("sources", "attended", "missed")
+                kept = {k: list(getattr(answer, k, None) or []) for k in keys}
+                self.answers[user] = (getattr(session, "doc_text", ""), {**kept, "method": method})
+
+            yield from stream_answer(session, question, chat, method, int(max_new_tokens), stop, obs, feed, keep)
 
     # ---- the rest -----------------------------------------------------------------------------------------
     def stop_generation(self, request: gr.Request):
@@ -105,6 +127,7 @@ class QATab(LoadHandlers):
         user = user_of(request)
         self.pool.free(user, "qa")
         self.status.forget(user)
+        self.answers.pop(user, None)
         self.feed(user).show(None)
         return self.status.line(user), gr.update(choices=[], value=None), *self.feed(user).figures()
 
@@ -140,3 +163,4 @@ class QATab(LoadHandlers):
         self.pool.end(user)
         self.status.forget(user)
         self.feeds.pop(user, None)
+        self.answers.pop(user, None)

@@ -13,13 +13,35 @@ from studio.common import ASSETS
 from studio.panels import WINDOWS, placeholders
 from studio.qa import QATab
 from studio.qa_load import SAMPLE
+from studio.sources import SCROLL_JS, VIEW_ID, document_view
 from studio.status import NOTHING
 
 HOW_TO = (
     "**How to use:** 1. attach a file or paste text (or press **Try a sample**); 2. press **Load document**: the "
-    "document is read once (about 10 s per 1,000 tokens on a CPU); 3. ask a question. Answers stream; the panels on "
-    "the right show what the cache did."
+    "document is read once{rate}; 3. ask a question. Answers stream with the passages they read (click one to see it "
+    "in the document); the panels on the right show what the cache did."
 )
+
+
+def how_to() -> str:
+    """The how-to line, with the rates `python -m pqcache bench app` measured on this machine when it has run here
+    (none otherwise: a constant would be wrong on the next machine)."""
+    import json
+
+    from pqcache.tools.bench_app import figures_path
+
+    try:
+        rows = json.loads(figures_path().read_text())["rows"]
+        row = min(rows, key=lambda r: abs(r["tokens"] - 8192))
+    except (OSError, ValueError, KeyError):
+        return HOW_TO.format(rate="")
+    rate = (
+        f" (`bench app` on this machine: {row['load_tok_s']:.0f} tokens/s at {row['tokens']:,} tokens, then answers at "
+        f"{1000 / row['decode_ms']:.0f} tokens/s)"
+    )
+    return HOW_TO.format(rate=rate)
+
+
 STARTING = "Loading: waiting for the model (requests before this one go first)..."
 RULE = (
     "An attached file is loaded rather than pasted text (remove the file with its \u00d7 to load the text); "
@@ -51,7 +73,7 @@ def load_label(file, pasted):
 
 def build_qa_tab(tab: QATab, methods: list[str]):
     d = LoadSettings()  # the form's defaults
-    gr.Markdown(HOW_TO, elem_id="how-to")
+    gr.Markdown(how_to(), elem_id="how-to")
     with gr.Row():
         with gr.Column(scale=2):
             sample = gr.Button(f"Try a sample ({SAMPLE}, about 1,000 tokens)", elem_id="sample")
@@ -94,6 +116,15 @@ def build_qa_tab(tab: QATab, methods: list[str]):
                 ask_btn = gr.Button("Ask", variant="primary", elem_id="ask")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
             gen_status = gr.Markdown("", elem_id="gen-status")
+            sources = gr.Radio(
+                [], type="index", label="Sources of the last answer: click one to see it in the document",
+                visible=False, elem_id="sources",
+            )  # fmt: skip
+            show_missed = gr.Checkbox(
+                False, label="also mark the exact top-k tokens the search missed (PQCache; sampled steps)",
+                elem_id="show-missed",
+            )  # fmt: skip
+            doc_view = gr.HTML(document_view("", {}, None), elem_id=VIEW_ID)
         with gr.Column(scale=3):
             with gr.Row():
                 layer = gr.Dropdown(
@@ -131,7 +162,13 @@ def build_qa_tab(tab: QATab, methods: list[str]):
     # the chat shows a queued question's place ("queue: 1/2") in its corner, then the elapsed time
     answer = dict(show_progress="minimal", show_progress_on=[chat], **model_work)
     for trigger, api in ((ask_btn.click, "ask"), (question.submit, False)):
-        trigger(tab.ask, asking, [chat, gen_status, *plots, question], api_name=api, **answer)
+        trigger(tab.ask, asking, [chat, gen_status, *plots, question, sources], api_name=api, **answer)
+    # a source clicked: the document view, scrolled to it in the browser once drawn (no model slot needed)
+    for control, api in ((sources.input, "show_source"), (show_missed.input, False)):
+        control(
+            tab.show_source, [sources, show_missed], [doc_view], api_name=api, concurrency_limit=None,
+            show_progress="hidden",
+        ).then(None, None, None, js=SCROLL_JS, api_name=False)  # fmt: skip
     # Stop needs no model slot (concurrency_limit=None): it is never stuck behind a load or an answer; its reply
     # goes to a hidden box (the load or the answer says "stopping" on the page)
     stopped = gr.Markdown(visible=False, elem_id="stop-reply")

@@ -61,11 +61,26 @@ def test_generate_json_answers_passkey_with_both_methods(generations):
 
 
 def test_generate_stats_show_the_tiers(generations):
+    """generate reads a document as the app does: every method over the same two tiers (full attention too: all of
+    the document on the device as well), PQ codes only for PQCache, and less on the device for it."""
     full, pq = generations["full"]["stats"], generations["pqcache"]["stats"]
-    assert full["host_kv_bytes"] == 0 and full["pq_bytes"] == 0
-    assert pq["host_kv_bytes"] > 0 and pq["pq_bytes"] > 0
+    assert full["pq_bytes"] == 0 and full["host_kv_bytes"] == pq["host_kv_bytes"] > 0
+    assert full["device_kv_bytes"] >= full["host_kv_bytes"]  # the whole document is attended from the device
+    assert pq["pq_bytes"] > 0
     assert pq["device_kv_bytes"] < full["device_kv_bytes"]
     assert pq["kmeans_iters"] >= 1
+
+
+def test_generate_json_gives_the_sources(generations):
+    """generate --json: the passages the answer read, highest share first; the pass key's sentence is the first."""
+    for method, result in generations.items():
+        sources = result["sources"]
+        assert 1 <= len(sources) <= 3 and sources == sorted(sources, key=lambda s: -s["share"])
+        text = PASSKEY.read_text(encoding="utf-8")
+        for s in sources:
+            assert set(s) == {"start", "end", "text", "share"} and 0 < s["share"] <= 1
+            assert text[s["start"] : s["end"]] == s["text"] and len(s["text"]) <= 300
+        assert "68422" in sources[0]["text"], (method, sources)
 
 
 def test_bench_attention_json_shape(cli):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
-from pqcache.serving.generate import ENDINGS
 from pqcache.serving.prompt import build_prompt
+from pqcache.serving.stopping import ENDINGS
 from pqcache.tools import datasets, evaluate
 
 from .conftest import WordTokenizer, tiny_model

@@ -1,4 +1,4 @@
-"""The one greedy loop (prefill / decode_one_token / decode_n_tokens), its stop rules, the EOS set and head_dim_of."""
+"""The one greedy loop (prefill / decode_one_token / decode_n_tokens), the stop rules, the EOS set and head_dim_of."""
 
 import threading
 from types import SimpleNamespace
@@ -8,16 +8,9 @@ import torch
 from transformers import DynamicCache, Gemma3Config
 
 from pqcache.engine.shapes import head_dim_of
-from pqcache.serving.generate import (
-    Decoded,
-    StopRule,
-    decode_n_tokens,
-    eos_token_ids,
-    looping,
-    prefill,
-    repeated_tail,
-)
+from pqcache.serving.generate import Decoded, decode_n_tokens, eos_token_ids, prefill
 from pqcache.serving.prompt import END_OF_ANSWER
+from pqcache.serving.stopping import StopRule, looping, repeated_tail
 
 from .conftest import WordTokenizer, byte_tokenizer, tiny_model
 

@@ -235,7 +235,17 @@ class DocumentReplica:
                     emit(
                         {
                             "answer": {
-                                k: getattr(answer, k) for k in ("text", "tokens", "seconds", "stopped", "ended")
+                                k: getattr(answer, k)
+                                for k in (
+                                    "text",
+                                    "tokens",
+                                    "seconds",
+                                    "stopped",
+                                    "ended",
+                                    "sources",
+                                    "attended",
+                                    "missed",
+                                )
                             },
                             "last_stats": session.last_stats,
                             "panels": obs.since(counts),

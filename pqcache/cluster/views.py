@@ -35,6 +35,7 @@ def document_view(session) -> dict:
         "stats": cache.stats() if cache is not None else None,
         "last_stats": session.last_stats,
         "prefill_panels": obs.since({}) if obs is not None else None,
+        "doc_text": getattr(session, "doc_text", ""),  # the answers' sources point into it
     }
 
 
@@ -79,6 +80,7 @@ class RemoteDocument:
         self.name, self.n_tokens, self.method = view["name"], view["n_tokens"], view["method"]
         self.info, self.last_stats = view["info"], view["last_stats"]
         self.truncated = tuple(view["truncated"]) if view["truncated"] else None
+        self.doc_text = view.get("doc_text", "")
         self.config = PQCacheConfig(**view["config"])
         self.cache = CacheView(view["pq_layers"], view["stats"])
         self.prefill_obs = None

@@ -181,6 +181,12 @@ class PQCache(Cache):
                 ]
         return obs
 
+    def tally_sources(self, tally=None):
+        """Attach an AttentionTally (pqcache.engine.sources) to the full-attention layers; None detaches."""
+        for layer in self.pq_layers:
+            layer.tally = tally
+        return tally
+
     def _is_mine(self, kwargs) -> bool:
         """A decoder layer's forward belongs to this cache (the model may serve several caches at once)."""
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -248,6 +254,7 @@ class PQCache(Cache):
         """Detach the observer and stop background work: queued builds are cancelled, a running one
         stops at its next head; returns without waiting for it (a hung worker cannot block close)."""
         self.instrument(None)
+        self.tally_sources(None)
         for layer in self.pq_layers:
             layer.closed.set()
         self.executor.shutdown(wait=False, cancel_futures=True)

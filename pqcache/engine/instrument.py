@@ -13,6 +13,7 @@ Records
   blocks     per layer and step: block-cache hits and misses of the retrieved tokens
   selected   (selections=True) per layer and step: the positions each row and KV head attended to
   bytes      bytes moved to the host tier and to the device tier
+  cost_s     the seconds its own recording took (probe.py adds them): the price of watching, beside the work
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class Instrumentation:
         self.blocks: list[dict] = []
         self.selected: list[dict] = []
         self.bytes = {"to_host": 0, "to_device": 0}
+        self.cost_s = 0.0  # seconds spent recording (the sampled steps' exact scores included): what observing costs
 
     def now(self) -> float:
         return time.perf_counter() - self.t0

@@ -116,7 +116,7 @@ def library() -> ctypes.CDLL | None:
     lib.attend_row.argtypes = [pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, pointer]
     lib.attend_picks.restype = lib.pq_search.restype = lib.combine_top.restype = ctypes.c_int
     lib.attend_picks.argtypes = [pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, size]
-    lib.attend_picks.argtypes += [pointer] * 4 + [size] * 2 + [pointer, size, pointer]
+    lib.attend_picks.argtypes += [pointer] * 4 + [size] * 2 + [pointer, size, pointer, pointer]
     lib.pq_search.argtypes = [pointer, size, size, size, pointer, size, size, pointer, ctypes.c_int, size, pointer]
     lib.combine_top.argtypes = [pointer, size, size, pointer, ctypes.c_int, size, pointer]
     return lib

@@ -200,7 +200,7 @@ static void weighted_picks(const float *p, int64_t g, const Picks *P, int64_t c,
 
 /* attend_row's attention over the n_keys keys and, after them, the picks (NULL: none) */
 static int attend(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride,
-                  int64_t n_keys, const Picks *P, int64_t D, float scaling, float *out) {
+                  int64_t n_keys, const Picks *P, int64_t D, float scaling, float *out, float *weights) {
   int64_t group = Hq / Hk, count = P == NULL ? 0 : P->count, n = n_keys + count;
   int threads = n >= 2048 ? omp_get_max_threads() : 1;
   float *s = malloc(sizeof(float) * Hq * n);             /* (Hq, n) scores, then unnormalised probabilities */
@@ -246,6 +246,13 @@ static int attend(const float *q, int64_t Hq, const float *k, const float *v, in
     for (int t = 0; t < threads; t++) sum += part[t * Hq * D + i];
     out[i] = (float)(sum / total[i / D]);
   }
+  if (weights != NULL) /* (Hk, n): each key's and pick's weight, summed over its group of query heads */
+    for (int64_t c = 0; c < Hk; c++)
+      for (int64_t j = 0; j < n; j++) {
+        double w = 0.0;
+        for (int64_t h = 0; h < group; h++) w += s[(c * group + h) * n + j] / total[c * group + h];
+        weights[c * n + j] = (float)w;
+      }
   free(s);
   free(part);
   free(total);
@@ -258,17 +265,18 @@ static int attend(const float *q, int64_t Hq, const float *k, const float *v, in
    when scratch memory could not be allocated. */
 int attend_row(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride, int64_t n,
                int64_t D, float scaling, float *out) {
-  return attend(q, Hq, k, v, Hk, head_stride, n, NULL, D, scaling, out);
+  return attend(q, Hq, k, v, Hk, head_stride, n, NULL, D, scaling, out, NULL);
 }
 
 /* attend_row over the n keys (a PQ layer's sinks, ring and new token) and a PQ layer's picks (see Picks): one
-   softmax over both. The picks' keys are never read, their values where they lie. */
+   softmax over both. The picks' keys are never read, their values where they lie. weights (NULL: not wanted) gets
+   (Hk, n + count): the attention each key and pick received, summed over the query heads that share its head. */
 int attend_picks(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride,
                  int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
                  const uint8_t *pick_valid, const int64_t *pos, const float *shared, int64_t shared_head, int64_t S0,
-                 const float *own, int64_t own_head, float *out) {
+                 const float *own, int64_t own_head, float *out, float *weights) {
   Picks P = {count, S0, shared_head, own_head, pick_scores, shared, own, pick_valid, pos};
-  return attend(q, Hq, k, v, Hk, head_stride, n, &P, D, scaling, out);
+  return attend(q, Hq, k, v, Hk, head_stride, n, &P, D, scaling, out, weights);
 }
 
 /* x (E,), the attention's output attn (Hq D,) -> y (E,): the rest of the layer (y may not be x) */

@@ -72,14 +72,15 @@ def _each_row(B: int, H: int, ks: list[int], k_max: int, n: int, kernel, name: s
     return top, in_rank
 
 
-def attend_picks(q, keys, values, n: int, scaling: float, picks, stores) -> torch.Tensor:
+def attend_picks(q, keys, values, n: int, scaling: float, picks, stores, weights: bool = False):
     """One token's attention over a PQ layer's first n buffer slots and its picks, in one softmax.
 
     q (Hq, D) float32; keys, values (1, Hk, N, D) float32 with rows of D floats (the layer's device window): slots
     0..n-1 attended. picks: pos (Hk, k) int64 host positions, valid (Hk, k) bool, scores (Hk, k, G) their scaled
     exact scores (the re-rank's). stores: (shared, S0, own), the host tier's value rows (1, Hk, rows, D) of a fork's
     parent (None when not a fork: S0 = 0) and its own (None when it has none yet), read where they lie ->
-    (1, Hq * D)."""
+    (1, Hq * D); with weights=True also (Hk, n + k): the attention each slot and pick received, summed over the query
+    heads of its KV head."""
     pos, valid, scores = picks
     shared, S0, own = stores
     Hq, D = q.shape
@@ -93,10 +94,11 @@ def attend_picks(q, keys, values, n: int, scaling: float, picks, stores) -> torc
     q, pos, valid = q.contiguous(), pos.contiguous(), valid.contiguous()
     scores = scores.to(torch.float32).contiguous()
     out = torch.empty(1, Hq * D)
+    received = torch.empty(Hk, n + k) if weights else None
     args = (q.data_ptr(), Hq, keys.data_ptr(), values.data_ptr(), Hk, keys.stride(1), n, D, scaling, k)
     args += (scores.data_ptr(), valid.data_ptr(), pos.data_ptr())
     args += (0, 0, 0) if shared is None else (shared.data_ptr(), shared.stride(1), S0)
     args += (0, 0) if own is None else (own.data_ptr(), own.stride(1))
-    if native.library().attend_picks(*args, out.data_ptr()):
+    if native.library().attend_picks(*args, out.data_ptr(), 0 if received is None else received.data_ptr()):
         raise MemoryError("attend_picks: no scratch memory")
-    return out
+    return (out, received) if weights else out

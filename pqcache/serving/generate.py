@@ -1,6 +1,6 @@
 """Greedy generation, gpt-fast style: prefill / decode_one_token / decode_n_tokens, the one loop used by
-the CLI's generate, the document session's answers and the evaluation, with the StopRule that ends answers
-(the prompts come from pqcache.serving.prompt)."""
+the CLI's generate, the document session's answers and the evaluation (the prompts come from
+pqcache.serving.prompt, the StopRule that ends answers from pqcache.serving.stopping)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from pqcache.engine.cache import PQCache, kv_bytes
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import InputError
 from pqcache.engine.methods import METHODS
+from pqcache.engine.sources import AttentionTally
+from pqcache.serving.stopping import StopRule
 
 
 def make_cache(model, method: str, config: PQCacheConfig | None = None):
@@ -74,89 +76,6 @@ def eos_token_ids(model, tokenizer=None) -> set[int]:
     eos.add(getattr(tokenizer, "eos_token_id", None))
     eos.discard(None)
     return eos
-
-
-ENDINGS = ("eos", "end_of_answer", "repetition", "max_new_tokens", "stopped")
-
-
-@dataclass
-class StopRule:
-    """When an answer ends, besides EOS and max_new_tokens (which stays the hard cap).
-
-    - **end of answer**: one of `stop_texts` appears after the answer's first non-blank character (the prompt
-      builder gives base models a blank line and a new ``Question:`` / ``Answer:`` line; chat models none: their
-      end of turn is EOS). The tokens from the one holding the stop text's start on are not part of the answer.
-    - **repetition**: the answer's last tokens are a block of p tokens repeated verbatim, back to back, over at
-      least max(2p, `repeat_tokens`) tokens (p <= `max_period`): a loop such as "The holder is X. The holder is X."
-      The repeats are dropped; the answer keeps the first copy.
-    """
-
-    tokenizer: object = None
-    stop_texts: tuple[str, ...] = ()
-    repeat_tokens: int = 16
-    max_period: int = 64
-
-    def _text(self, tokens) -> str:
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
-
-    def _stop_text_at(self, text: str) -> int:
-        """Where the first stop text starts in `text` (after its leading blanks), or -1."""
-        start = len(text) - len(text.lstrip())
-        found = [i for i in (text.find(s, start) for s in self.stop_texts) if i >= 0]
-        return min(found, default=-1)
-
-    def _tokens_before(self, tokens: list[int], chars: int) -> int:
-        """The most leading tokens whose text stays within the first `chars` characters."""
-        keep = len(tokens)
-        while keep > 0 and len(self._text(tokens[:keep])) > chars:
-            keep -= 1
-        return keep
-
-    def check(self, tokens: list[int]) -> tuple[str, int] | None:
-        """-> (why the answer ends, how many tokens it keeps) when it ends with these tokens, else None."""
-        if self.stop_texts and self.tokenizer is not None:
-            text = self._text(tokens)
-            at = self._stop_text_at(text)
-            if at >= 0:
-                return "end_of_answer", self._tokens_before(tokens, at)
-        span, period = repeated_tail(tokens, self.max_period)
-        if period and span >= max(2 * period, self.repeat_tokens):
-            return "repetition", len(tokens) - span + period
-        return None
-
-    def visible(self, tokens: list[int]) -> int:
-        """How many tokens can be shown while streaming: a trailing piece that may grow into a stop text
-        (a newline that may become a blank line) is held back until the next token says."""
-        if not self.stop_texts or self.tokenizer is None or not tokens:
-            return len(tokens)
-        text = self._text(tokens)
-        body = text.lstrip()
-        if not body:
-            return len(tokens)
-        held = max(
-            (n for s in self.stop_texts for n in range(1, min(len(s), len(body) + 1)) if body.endswith(s[:n])),
-            default=0,
-        )
-        return len(tokens) if held == 0 else self._tokens_before(tokens, len(text) - held)
-
-
-def repeated_tail(tokens: list[int], max_period: int = 64) -> tuple[int, int]:
-    """The longest run at the end of `tokens` that repeats a block verbatim -> (span, period): the last `span`
-    tokens have period `period` (span >= 2 * period means at least two whole copies). (0, 0) when none."""
-    n, best = len(tokens), (0, 0)
-    for p in range(1, min(max_period, n // 2) + 1):
-        run = 0
-        while run < n - p and tokens[n - 1 - run] == tokens[n - 1 - run - p]:
-            run += 1
-        if run >= p and run + p > best[0]:
-            best = (run + p, p)
-    return best
-
-
-def looping(tokens: list[int], min_tokens: int = 8) -> bool:
-    """Whether an answer ends in a verbatim loop: at least two copies of a block, min_tokens tokens or more."""
-    span, period = repeated_tail(tokens)
-    return period > 0 and span >= max(2 * period, min_tokens)
 
 
 @dataclass
@@ -230,6 +149,9 @@ class Generation:
     tokens: list[int] = field(default_factory=list)
     ended: str = ""  # why the answer ended: one of ENDINGS
     stats: dict = field(default_factory=dict)
+    # the passages of the prompt's document its attention read most (pqcache.serving.sources): {"start", "end",
+    # "text", "share"}, highest share first, character ranges in the user's document (prompt.source)
+    sources: list[dict] = field(default_factory=list)
 
 
 def generate(
@@ -242,19 +164,34 @@ def generate(
     on_token=None,
 ) -> Generation:
     """Greedy answer to `prompt` (a pqcache.serving.prompt.Prompt: its stop rule ends the answer; or a plain
-    string, which ends at EOS, a repetition loop or max_new_tokens); on_token(text_so_far) after each token."""
+    string, which ends at EOS, a repetition loop or max_new_tokens); on_token(text_so_far) after each token.
+
+    A Prompt with a document runs as the app runs it: the document part is prefilled (and its PQ built), then the
+    question part as a second chunk, then the answer; every method, full attention too, is a PQCache over the
+    same tiers, and the answer's sources come with it. A plain string is one prefill (full attention: transformers'
+    DynamicCache)."""
     if max_new_tokens < 1:
         raise InputError("max_new_tokens must be >= 1")
     device = next(model.parameters()).device
+    document = not isinstance(prompt, str) and bool(prompt.document.strip())
     if isinstance(prompt, str):
-        input_ids, rule = tokenizer(prompt, return_tensors="pt").input_ids, StopRule(tokenizer)
+        parts, rule = [tokenizer(prompt, return_tensors="pt").input_ids], StopRule(tokenizer)
     else:
-        input_ids, rule = torch.cat(prompt.encode(tokenizer), dim=1), prompt.stop_rule(tokenizer)
-    input_ids = input_ids.to(device)
-    cache = make_cache(model, method, config)
+        doc_ids, q_ids = prompt.encode(tokenizer)
+        parts, rule = ([doc_ids, q_ids] if document else [torch.cat([doc_ids, q_ids], 1)]), prompt.stop_rule(tokenizer)
+    parts = [ids.to(device) for ids in parts]
+    cache = PQCache(model, config or PQCacheConfig(), method=method) if document else make_cache(model, method, config)
     t0 = time.perf_counter()
-    logits = prefill(model, input_ids, cache)
-    prefill_s = time.perf_counter() - t0
+    logits = prefill(model, parts[0], cache)
+    tally = None
+    if document:  # the document is cached: its PQ is built before the question, as a session's load waits for it
+        cache.wait()
+        tally = cache.tally_sources(AttentionTally(parts[0].shape[1]))
+        prefill_s = time.perf_counter() - t0
+        logits = prefill(model, parts[1], cache)
+    else:
+        prefill_s = time.perf_counter() - t0
+    first_s = time.perf_counter() - t0 - prefill_s
     out = Generation()
     show = None if on_token is None else (lambda tokens: on_token(tokenizer.decode(tokens, skip_special_tokens=True)))
     t1 = time.perf_counter()
@@ -266,16 +203,23 @@ def generate(
     mem = cache_bytes(cache)
     out.stats = {
         "method": method,
-        "prompt_tokens": int(input_ids.shape[1]),
+        "prompt_tokens": sum(int(ids.shape[1]) for ids in parts),
         "new_tokens": len(out.tokens),
         "ended": out.ended,
         "prefill_s": round(prefill_s, 4),
+        "question_s": round(first_s, 4),
         "s_per_token": round(decode_s / max(1, len(out.tokens)), 5),
         "device_kv_bytes": mem["device_kv_bytes"],
         "host_kv_bytes": mem["host_kv_bytes"],
         "pq_bytes": mem["pq_bytes"],
         "kmeans_iters": mem.get("kmeans_iters"),
     }
+    if tally is not None:
+        from pqcache.serving.prompt import PromptBuilder
+        from pqcache.serving.sources import passages
+
+        spans = PromptBuilder(tokenizer).document_spans(prompt.source)
+        out.sources = [p.to_dict() for p in passages(prompt.source, spans, tally.received)]
     if isinstance(cache, PQCache):
         out.stats["config"] = cache.pq_config.to_dict()
         cache.close()

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pqcache.serving.generate import StopRule
+from pqcache.serving.stopping import StopRule
 
 INSTRUCTION = "Answer the question from the text above. The answer is in the text."
 QUESTION_LABEL = "Question:"
@@ -49,6 +49,7 @@ class Prompt:
     document: str
     question: str
     chat: bool  # rendered with the tokenizer's chat template
+    source: str = ""  # the user's document as given (the sources' character ranges are in it)
 
     @property
     def text(self) -> str:
@@ -120,11 +121,22 @@ class PromptBuilder:
 
     def build(self, document: str, question: str) -> Prompt:
         has_doc = bool(document and document.strip())
-        return Prompt(self.document(document), self.question(question, has_doc), self.chat)
+        return Prompt(self.document(document), self.question(question, has_doc), self.chat, document or "")
 
     def document_ids(self, text: str) -> torch.Tensor:
         """The document part's ids (1, S), as a session prefills and caches them."""
         return self.build(text, "?").encode(self.tokenizer)[0]
+
+    def document_spans(self, text: str) -> list[tuple[int, int]]:
+        """The character range in `text` (the user's document, as given to document_ids) of each token of the
+        document part; (0, 0) for tokens with no text of the user's (BOS, a chat template's head)."""
+        from pqcache.serving.sources import token_spans
+
+        text = text or ""
+        part = self.document(text)  # text.strip(), after the chat template's head for a chat model
+        shift = len(text) - len(text.lstrip()) - (len(self._parts[0]) if self.chat and text.strip() else 0)
+        spans = token_spans(self.tokenizer, part, add_special_tokens=not self.chat)
+        return [(lo + shift, hi + shift) if hi > lo and lo + shift >= 0 else (0, 0) for lo, hi in spans]
 
     def question_ids(self, question: str) -> torch.Tensor:
         """The question part's ids (1, Q), run after a cached document."""

@@ -25,9 +25,11 @@ from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled, DocumentTooLongError, InputError, NoDocumentError
 from pqcache.engine.instrument import Instrumentation
 from pqcache.engine.shapes import head_dim_of
+from pqcache.engine.sources import AttentionTally
 from pqcache.serving.documents import check_text
 from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
 from pqcache.serving.prompt import PromptBuilder
+from pqcache.serving.sources import highlights, passages
 
 ANSWER_ROOM = 512  # tokens kept free for the question and the answer
 
@@ -40,6 +42,12 @@ class Answer:
     done: bool = False
     stopped: bool = False
     ended: str = ""  # why the answer ended: eos, end_of_answer, repetition, max_new_tokens or stopped
+    # the passages its attention read most: {"start", "end", "text", "share"}, highest share first (sources.py)
+    sources: list[dict] = field(default_factory=list)
+    # character ranges [start, end, weight] of the document tokens it attended to most (weight: of the most)
+    attended: list[list] = field(default_factory=list)
+    # [start, end] of tokens in the exact top-k that the selection did not attend to (sampled steps, observed)
+    missed: list[list] = field(default_factory=list)
 
 
 @contextmanager
@@ -185,7 +193,18 @@ class DocumentSession:
         self.cache, self.n_tokens, self.prefill_obs = cache, int(ids.shape[1]), obs
         self.doc_ids = ids[0].tolist()
         self.truncated = (self.n_tokens, n_doc) if self.n_tokens < n_doc else None
+        self.doc_text, self._spans = text, None
         return {"tokens": self.n_tokens, "document_tokens": n_doc, "prefill_s": self.prefill_s, **cache.stats()}
+
+    def spans(self) -> list[tuple[int, int]]:
+        """Each cached document position's character range in the document's text ((0, 0): no text)."""
+        if self._spans is None:
+            spans = self.prompt.document_spans(self.doc_text)
+            if self.truncated:  # the middle was cut: the first and last halves of the positions remain
+                head = self.n_tokens // 2
+                spans = spans[:head] + spans[len(spans) - (self.n_tokens - head) :]
+            self._spans = spans
+        return self._spans
 
     def nbytes(self) -> int:
         """Host + device bytes held by the loaded document's cache (0 when none)."""
@@ -221,6 +240,7 @@ class DocumentSession:
         cache = self.cache.fork(method or self.method)
         if observer is not None:
             cache.instrument(observer)
+        tally = cache.tally_sources(AttentionTally(self.n_tokens))
         q_ids = self.prompt.question_ids(question)
         answer = Answer()
         t0 = time.perf_counter()
@@ -250,5 +270,8 @@ class DocumentSession:
             self.last_stats = cache.stats()
             cache.close()
         answer.seconds = time.perf_counter() - t0
+        spans = self.spans()
+        answer.sources = [p.to_dict() for p in passages(self.doc_text, spans, tally.received)]
+        answer.attended, answer.missed = highlights(spans, tally)
         answer.done = True
         return answer

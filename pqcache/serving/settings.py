@@ -13,6 +13,7 @@ from dataclasses import astuple, dataclass
 
 from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS, PQCacheConfig
 from pqcache.engine.errors import PQCacheConfigError
+from pqcache.engine.instrument import Instrumentation
 
 ENCODINGS = ["utf-8", "cp1252", "latin-1", "utf-16"]  # offered for a text file; any codec name is accepted
 TOO_LONG = ["refuse", "cut the middle"]  # what to do with a document longer than the model reads
@@ -77,3 +78,13 @@ class LoadSettings:
     def truncate(self) -> str:
         """DocumentSession.load's `truncate`."""
         return "middle" if self.too_long == "cut the middle" else "refuse"
+
+
+# What the app's live panels watch while an answer streams: the timeline of every step, and every 4th step's exact
+# scores for the power-law and recall panels (the sampled steps are most of what watching costs: `bench app`).
+ANSWER_OBSERVER = dict(timeline=True, attention_every=4, recall_every=4)
+
+
+def answer_observer() -> Instrumentation:
+    """A new observer of one answer, as the app's Q&A tab attaches it."""
+    return Instrumentation(**ANSWER_OBSERVER)

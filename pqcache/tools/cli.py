@@ -56,9 +56,25 @@ def cmd_generate(args) -> int:
         on_token=None if args.json else stream,
     )
     if args.json:
-        print(json.dumps({"text": result.text, "tokens": result.tokens, "ended": result.ended, "stats": result.stats}))
+        print(
+            json.dumps(
+                {
+                    "text": result.text,
+                    "tokens": result.tokens,
+                    "ended": result.ended,
+                    "sources": result.sources,
+                    "stats": result.stats,
+                }
+            )
+        )
     else:
         print()
+        for i, src in enumerate(result.sources, 1):  # where in the document the answer came from
+            quote = " ".join(src["text"].split())
+            print(
+                f"  source {i} ({100 * src['share']:.0f}% of the attention, characters {src['start']}-{src['end']}): "
+                f'"{quote}"'
+            )
         s = result.stats
         print(
             f"[{s['method']}] ended: {result.ended}; prompt {s['prompt_tokens']} tokens, "
@@ -96,6 +112,10 @@ def cmd_bench(args) -> int:
         from pqcache.tools.e2e import cli_e2e
 
         return cli_e2e(args)
+    if args.which == "app":
+        from pqcache.tools.bench_app import cli_app
+
+        return cli_app(args)
     kw = {}
     if args.seq_lens:
         kw["seq_lens"] = args.seq_lens
@@ -171,7 +191,7 @@ def cmd_eval(args) -> int:
     unknown = [m for m in methods if m.split("/")[0] not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    cases = evaluate.load_cases(args.cases) if args.mode is None else None
+    cases = evaluate.load_cases(args.cases, args.format) if args.mode is None else None
     config = _config(args)
     model, tok = load_model(
         args.model, device=args.device, dtype=args.dtype, progress=_stderr, decode_weights=args.decode_weights
@@ -198,7 +218,7 @@ def cmd_eval(args) -> int:
     out = open(args.out, "w", encoding="utf-8") if args.out else None
     try:
         for case in tqdm(cases, desc="cases", file=sys.stderr):
-            for row in evaluate.run_case(model, tok, case, methods, config, args.max_new_tokens):
+            for row in evaluate.run_case(model, tok, case, methods, config, args.max_new_tokens, args.max_length):
                 rows.append(row)
                 if out:
                     out.write(json.dumps(row) + "\n")
@@ -206,8 +226,8 @@ def cmd_eval(args) -> int:
     finally:
         if out:
             out.close()
-    group = [g for g in args.group_by.split(",") if g]
-    summary = evaluate.summarize(rows, group)
+    group = [g for g in args.group_by.split(",") if g] or (["task"] if args.format == "ruler" else [])
+    summary = evaluate.summarize(rows, group, by_dataset=args.format == "longbench")  # LongBench: a column per dataset
     print(json.dumps({"rows": summary}) if args.json else _table(summary))
     return 0
 

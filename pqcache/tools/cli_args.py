@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("which", choices=["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels"])
+    b.add_argument("which", choices=["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels", "app"])
     b.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=None)
     b.add_argument("--repeats", type=int, default=None)
     b.add_argument("--shapes", choices=["llama", "gemma"], default="llama", help="decode: head shapes")
@@ -110,19 +110,40 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--n-batch", type=int, default=None, help="e2e: llama.cpp's n_batch (= n_ubatch)")
     b.add_argument("--chunk-tokens", type=int, default=None, help="e2e: prefill chunk (default: generate's)")
     b.add_argument("--gguf", default=None, help="e2e: llama.cpp's GGUF (default: the bundled model's)")
-    b.add_argument("--runners", default="llama.cpp,full,pqcache", help="e2e: comma-separated runners")
+    b.add_argument(
+        "--runners", default=None, help="e2e (llama.cpp,full,pqcache), app (app,session,generate,llama.cpp): runners"
+    )
     b.add_argument("--json", action="store_true", help='print one object {"rows": [...]}')
 
     e = sub.add_parser("eval", help="compare methods on a case file (or: eval recall)")
     e.add_argument("mode", nargs="?", choices=["recall"], help="recall: PQ recall study on the model's real keys")
-    e.add_argument("--cases", type=Path, help="JSONL: id, context, question, answers[, query_aware]")
+    e.add_argument("--cases", type=Path, help="JSONL: id, context, question, answers[, query_aware] (--format)")
+    e.add_argument(
+        "--format",
+        choices=["pqcache", "longbench", "ruler"],
+        default="pqcache",
+        help="--cases is this project's JSONL (default), LongBench's data file (its prompts, generation lengths and "
+        "metrics; the summary has a column per dataset) or RULER's generated JSONL (its string-match scores)",
+    )
+    e.add_argument(
+        "--max-length",
+        type=int,
+        default=None,
+        help="longbench: the most prompt tokens, longer prompts cut in the middle (LongBench's model2maxlen; "
+        "default: the model's positions less the answer's tokens)",
+    )
     e.add_argument("--methods", default="full,pqcache", help="comma-separated method names")
     e.add_argument("--out", type=Path, help="write one JSON line per case and method")
     e.add_argument("--group-by", default="", help="comma-separated case fields for the summary")
     e.add_argument("--model", default="default")
     e.add_argument("--device", default="auto")
     add_dtype_flags(e)
-    e.add_argument("--max-new-tokens", type=int, default=24)
+    e.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=24,
+        help="answer tokens at most (longbench, ruler: each case has its benchmark's own length)",
+    )
     e.add_argument("--token-budget", type=_budget, default=0.1)
     e.add_argument("--m", type=int, default=PQCacheConfig.m)
     e.add_argument("--bits", type=int, default=PQCacheConfig.bits)

@@ -222,7 +222,7 @@ def cli_e2e(args) -> int:
     rows = bench_e2e(
         model=args.model,
         seq_lens=args.seq_lens or SEQ_LENS,
-        runners=tuple(r.strip() for r in args.runners.split(",") if r.strip()),
+        runners=tuple(r.strip() for r in (args.runners or ",".join(RUNNERS)).split(",") if r.strip()),
         dtype=args.dtype,
         decode_weights=args.decode_weights,
         decode_tokens=args.decode_tokens,

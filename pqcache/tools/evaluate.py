@@ -3,12 +3,15 @@
 query_aware true: context + question are prefilled together (what SnapKV/PyramidKV are designed for);
 query_aware false: the context is prefilled alone (a document uploaded first) and the question runs as a
 second chunk against the cached document. Each method continues a fork of that one prefill.
+
+The case files and the prompts they are answered from: case_formats.py (this project's JSONL, LongBench's and
+RULER's); a case is scored by its own benchmark's metric (longbench.py, ruler_format.py), or by the share of its
+reference strings found in the answer.
 """
 
 from __future__ import annotations
 
 import itertools
-import json
 import time
 from collections import defaultdict
 
@@ -16,38 +19,13 @@ import torch
 
 from pqcache.engine.cache import PQCache
 from pqcache.engine.config import PQCacheConfig
-from pqcache.serving.generate import decode_n_tokens, eos_token_ids, looping, prefill
-from pqcache.serving.prompt import build_prompt
+from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
+from pqcache.serving.stopping import looping
+from pqcache.tools import case_formats, longbench, ruler_format
+from pqcache.tools.case_formats import CaseError, load_cases  # noqa: F401  (evaluate's API)
 
-REQUIRED = ("id", "context", "question", "answers")
-
-
-class CaseError(ValueError):
-    """A case file line that is not a valid case."""
-
-
-def load_cases(path) -> list[dict]:
-    cases = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                case = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise CaseError(f"{path}:{n}: not JSON ({exc.msg})") from None
-            if not isinstance(case, dict):
-                raise CaseError(f"{path}:{n}: a case is a JSON object")
-            missing = [k for k in REQUIRED if k not in case]
-            if missing:
-                raise CaseError(f"{path}:{n}: missing {', '.join(missing)}")
-            if not isinstance(case["answers"], list) or not all(isinstance(a, str) for a in case["answers"]):
-                raise CaseError(f"{path}:{n}: answers must be a list of strings")
-            case.setdefault("query_aware", True)
-            cases.append(case)
-    if not cases:
-        raise CaseError(f"{path}: no cases")
-    return cases
+# the case fields not copied into its rows (the texts, and what only the prompt or the score needs)
+NOT_IN_ROWS = ("context", "question", "answers", "needle", "prompt", "all_classes")
 
 
 def score(prediction: str, answers: list[str]) -> float:
@@ -56,6 +34,15 @@ def score(prediction: str, answers: list[str]) -> float:
         return 0.0
     pred = prediction.lower()
     return sum(a.lower() in pred for a in answers) / len(answers)
+
+
+def case_score(case: dict, prediction: str) -> float:
+    """The case's benchmark's score of `prediction` (0..1)."""
+    if case.get("format") == "longbench":
+        return longbench.score(case["dataset"], prediction, case["answers"], case.get("all_classes"))
+    if case.get("format") == "ruler":
+        return ruler_format.score(case["metric"], prediction, case["answers"])
+    return score(prediction, case["answers"])
 
 
 def method_spec(spec: str, config: PQCacheConfig) -> tuple[str, PQCacheConfig]:
@@ -86,15 +73,32 @@ def _setting(value: str):
 
 
 @torch.no_grad()
-def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheConfig, max_new_tokens: int = 24):
-    """Every method answers `case` on a fork of one prefill. The prompt comes from the prompt builder (the
-    document part, then the question part) and the answer ends by its stop rule; each row says why it ended
-    (`ended`) and whether it ran on repeating itself (`repeating`: cut by the repetition rule, or at
-    max_new_tokens in a verbatim loop)."""
+def run_case(
+    model,
+    tokenizer,
+    case: dict,
+    methods: list[str],
+    config: PQCacheConfig,
+    max_new_tokens: int = 24,
+    max_length: int | None = None,
+):
+    """Every method answers `case` on a fork of one prefill. The prompt is the document part, then the question
+    part: the prompt builder's, or the case's own (a benchmark's framing, case_formats.framed_prompt), and the
+    answer ends by its stop rule, after at most the case's `max_new_tokens` (else `max_new_tokens`). A case
+    marked `truncate: middle` (LongBench) longer than `max_length` or the model's positions less the answer's
+    tokens is cut in the middle (`truncated`: the tokens cut). Each row says why the answer ended (`ended`) and
+    whether it ran on repeating itself (`repeating`: cut by the repetition rule, or at max_new_tokens in a
+    verbatim loop)."""
     device = next(model.parameters()).device
-    prompt = build_prompt(tokenizer, case["context"], case["question"])
-    ctx_ids, q_ids = (ids.to(device) for ids in prompt.encode(tokenizer))
-    rule = prompt.stop_rule(tokenizer)
+    max_new_tokens = int(case.get("max_new_tokens") or max_new_tokens)
+    prompt = case_formats.framed_prompt(tokenizer, case)
+    ctx_ids, q_ids = prompt.encode(tokenizer)
+    cut = 0
+    if case.get("truncate") == "middle":
+        limit = case_formats.prompt_limit(model, max_new_tokens, max_length)
+        ctx_ids, q_ids, cut = case_formats.middle_truncate(ctx_ids, q_ids, limit)
+    ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
+    rule = case_formats.stop_rule(tokenizer, case, prompt)
     if case.get("query_aware", True):
         prefill_ids = torch.cat([ctx_ids, q_ids], 1)
     else:
@@ -105,7 +109,7 @@ def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheCo
     base.wait()
     prefill_s = time.perf_counter() - t0
     eos = eos_token_ids(model, tokenizer)
-    extra = {k: v for k, v in case.items() if k not in ("context", "question", "answers", "needle")}
+    extra = {k: v for k, v in case.items() if k not in NOT_IN_ROWS}
     rows = []
     for method in methods:
         name, settings = method_spec(method, config)
@@ -122,10 +126,11 @@ def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheCo
                 "id": case["id"],
                 "method": method,
                 "prediction": prediction,
-                "score": score(prediction, case["answers"]),
+                "score": case_score(case, prediction),
                 "context_tokens": int(ctx_ids.shape[1]),
                 "question_tokens": int(q_ids.shape[1]),
                 "new_tokens": len(tokens),
+                **({"truncated": cut} if case.get("truncate") else {}),
                 "ended": decoded.ended,
                 "repeating": decoded.ended == "repetition" or (decoded.ended == "max_new_tokens" and looping(tokens)),
                 "prefill_s": round(prefill_s, 3),
@@ -137,9 +142,12 @@ def run_case(model, tokenizer, case: dict, methods: list[str], config: PQCacheCo
     return rows
 
 
-def summarize(rows: list[dict], group_by: list[str] | None = None) -> list[dict]:
+def summarize(rows: list[dict], group_by: list[str] | None = None, by_dataset: bool = False) -> list[dict]:
     """Mean score per method (and per group-by fields), with the number of cases, how many answers ran to
-    max_new_tokens (`at_max`) and how many ran on repeating themselves (`repeating`)."""
+    max_new_tokens (`at_max`) and how many ran on repeating themselves (`repeating`). by_dataset: LongBench's
+    table instead, one row per method with a column per dataset and their average (longbench.dataset_table)."""
+    if by_dataset:
+        return longbench.dataset_table(rows)
     keys = group_by or []
     acc = defaultdict(list)
     for r in rows:

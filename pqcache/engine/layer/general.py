@@ -14,6 +14,7 @@ import torch
 from pqcache.engine.layer.attention import masked_attention
 from pqcache.engine.layer.probe import observe_step
 from pqcache.engine.methods.base import PICKED_SCORES, positions_of
+from pqcache.engine.sources import add_weights
 
 
 def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) -> torch.Tensor:
@@ -39,6 +40,8 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     known = None if scores is None else (window.n_init + window.L, scores)
     out, probs = masked_attention(q, keys, values, mask, scaling, softcap, known)
 
+    if layer.tally is not None:  # the answer's sources: the weights just computed, by host position
+        add_weights(layer, probs, window.positions(top, Q), Q)
     layer.last_selection = (top, top_valid)
     observe_step(layer, q, scaling, top, top_valid, probs, mask, moved)
     append(layer, k_new, v_new, new_valid)

@@ -71,6 +71,7 @@ class PQLayer(CacheLayerMixin):
         self.closed = threading.Event()  # set by PQCache.close(): background work stops
         self.fallback: str | None = None  # why this layer attends to every token (a failed PQ build)
         self.obs = None  # Instrumentation, when attached
+        self.tally = None  # AttentionTally (sources.py), when an answer's sources are wanted
         self.last_selection = None
         self._one_row = None  # onerow.py's knowledge of the device window
         self.counters = {"steps": 0, "hits": 0, "misses": 0, "fallback": None}
@@ -107,11 +108,11 @@ class PQLayer(CacheLayerMixin):
 
     def reset(self):
         self.wait_pq()
-        obs, keep = self.obs, self.keep_queries
+        obs, tally, keep = self.obs, self.tally, self.keep_queries
         self.__init__(
             self.config, self.layer_idx, self.executor, self.iters_for, self.method, (self.depth, self.n_depth)
         )
-        self.obs, self.keep_queries = obs, keep
+        self.obs, self.tally, self.keep_queries = obs, tally, keep
 
     def reorder_cache(self, beam_idx):
         raise NotImplementedError("PQCache does not support beam search; use greedy or sampling")

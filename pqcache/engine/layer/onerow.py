@@ -33,6 +33,7 @@ import torch
 from pqcache.engine.layer.attention import masked_attention, query_key_dots
 from pqcache.engine.layer.probe import observe_picks
 from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
+from pqcache.engine.sources import add_weights
 from pqcache.native import select as native_select
 
 VALUES_IN_PLACE = True  # the picks' values read in place (the tests switch it off to compare with the general step)
@@ -110,7 +111,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     # the bytes the general step copies from the host tier; read in place, the attention reads as many from there
     moved = window.moved(hit, top_valid, scores is None, admitted)
     if in_place:
-        out = _attend_in_place(q, window, lo, (top, top_valid, scores), k_new, v_new, new_valid, host, scaling)
+        out = _attend_in_place(layer, q, lo, (top, top_valid, scores), k_new, v_new, new_valid, scaling)
     else:
         window.k[:, :, lo + kk : lo + kk + 1] = k_new
         window.v[:, :, lo + kk : lo + kk + 1] = v_new
@@ -120,16 +121,19 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
         mask = torch.cat([state.ones, top_valid[:, :, None, :], new_mask], dim=3)
         keys, values = window.k[:, :, : lo + kk + 1], window.v[:, :, : lo + kk + 1]
         known = None if scores is None else (lo, scores)
-        out, _ = masked_attention(q, keys, values, mask, scaling, softcap, known)
+        out, probs = masked_attention(q, keys, values, mask, scaling, softcap, known)
+        if layer.tally is not None:  # the buffer is [sinks | ring | picks | new], as window.positions lists it
+            add_weights(layer, probs, window.positions(top, 1))
     if layer.obs is not None:
         observe_picks(layer, q, scaling, top, top_valid, moved)
     return _append(layer, state, index, top, top_valid, moved, k_new, v_new, new_valid, out)
 
 
-def _attend_in_place(q, window, lo: int, picks, k_new, v_new, new_valid, host, scaling: float) -> torch.Tensor:
+def _attend_in_place(layer, q, lo: int, picks, k_new, v_new, new_valid, scaling: float) -> torch.Tensor:
     """masked_attention's softmax over the window's sinks and ring (keys and values in the buffer), the picks
     (their exact scores from the re-rank, their values read in the host tier) and the new token -> (1, 1, Hq, D)."""
     top, top_valid, scores = picks  # (1, H, k), (1, H, k), (1, H, k, G)
+    window, host = layer.window, layer.host
     _, H, G, D = q.shape
     kk = top.shape[2]
     if NATIVE_ATTENTION and window.k.device.type == "cpu" and window.k.dtype == q.dtype == torch.float32:
@@ -138,15 +142,20 @@ def _attend_in_place(q, window, lo: int, picks, k_new, v_new, new_valid, host, s
         window.k[:, :, lo], window.v[:, :, lo] = k_new[:, :, 0], v_new[:, :, 0]
         n = lo + int(new_valid.view(-1)[0])
         stores = host.value_stores()
-        out = native_select.attend_picks(
-            q.view(H * G, D), window.k, window.v, n, scaling, (top[0], top_valid[0], scores[0]), stores
-        )
+        picks, tally = (top[0], top_valid[0], scores[0]), layer.tally is not None
+        out = native_select.attend_picks(q.view(H * G, D), window.k, window.v, n, scaling, picks, stores, tally)
+        if tally:  # its weights are (H, n + k): the window's slots, the new token, then the picks
+            out, received = out
+            slots = window.positions(top, 1)[0, :, :lo]  # (H, lo): the sinks' and ring's positions
+            layer.tally.add(torch.cat([slots, top[0]], 1), torch.cat([received[:, :lo], received[:, n:]], 1))
         return out.view(1, 1, H * G, D)
     window_scores = query_key_dots(q, window.k[:, :, :lo]) * scaling  # (1, H, G, lo)
     att = torch.cat([window_scores, scores.transpose(-1, -2), query_key_dots(q, k_new) * scaling], -1)
     hidden = torch.cat([~top_valid, ~new_valid.view(1, 1, 1).expand(1, H, 1)], -1)  # (1, H, k + 1)
     att[..., lo:].masked_fill_(hidden[:, :, None, :], float("-inf"))
     probs = att.softmax(dim=-1)  # (1, H, G, lo + k + 1)
+    if layer.tally is not None:  # [sinks | ring | picks | new], as window.positions lists them
+        add_weights(layer, probs.view(1, H, G, -1), window.positions(top, 1))
     out = probs[..., :lo] @ window.v[:, :, :lo] + probs[..., lo + kk :] @ v_new  # (1, H, G, D)
     out += host.value_sums(top.to(host.host), probs[..., lo : lo + kk].transpose(-1, -2)).to(out.device)
     return out.view(1, H * G, 1, D).transpose(1, 2)

@@ -5,6 +5,8 @@ chosen by the same rule (same candidates, same GQA combine, same k). It only rea
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pqcache.engine.methods.base import combine_rows, topk_positions
@@ -37,10 +39,12 @@ def observe_picks(layer, q, scaling, top, top_valid, moved):
     """The instrumentation's records of a step (the layer has an observer): block-cache hits, bytes moved, and at
     the sampled steps the power law and recall. q (B, H, G, D): the step's (last) token's unscaled queries."""
     obs, step = layer.obs, layer.counters["steps"]
+    t0 = time.perf_counter()
     obs.record_blocks(layer.layer_idx, step, moved["hits"], moved["misses"])
     obs.moved("to_device", moved["moved"])
     if obs.wants_attention(step) or obs.wants_recall(step):
         probe(layer, obs, step, q, scaling, top, top_valid)
+    obs.cost_s += time.perf_counter() - t0
 
 
 def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Tensor, top_valid: torch.Tensor):
@@ -57,15 +61,12 @@ def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Ten
     if not obs.wants_recall(step) or top.shape[2] == 0:
         return
     chosen = torch.zeros((B, H, S), dtype=torch.bool, device=layer.device).scatter_(2, top, top_valid)
+    cand, ks, mode = layer.candidates(), layer.topk_counts(), layer.config.gqa_combine
+    exact_set = exact_topk_set(exact, cand, ks, top.shape[2], mode)
+    if layer.tally is not None:  # the answer's sources: the exact top-k tokens this step did not attend to
+        layer.tally.add_missed((exact_set[0] & ~chosen[0]).nonzero()[:, 1])
     topk_recall, mass, qhead = selection_recall(
-        exact,
-        valid,
-        layer.candidates(),
-        chosen,
-        layer.topk_counts(),
-        top.shape[2],
-        layer.config.gqa_combine,
-        q.shape[2],
+        exact, valid, cand, chosen, ks, top.shape[2], mode, q.shape[2], exact_set
     )
     obs.record_recall(
         layer.layer_idx,
@@ -77,17 +78,24 @@ def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Ten
     )
 
 
-def selection_recall(exact, valid, cand, chosen, ks: list[int], k: int, mode: str, G: int):
+def exact_topk_set(exact, cand, ks: list[int], k: int, mode: str) -> torch.Tensor:
+    """The exact top-k under the selection's rule (same candidates, GQA combine and ks): exact (B, H, G*Q, S)
+    scaled scores, cand (B, S) -> (B, H, S) bool."""
+    H = exact.shape[1]
+    combined = combine_rows(exact.transpose(2, 3).contiguous(), cand, mode)  # (B, H, S)
+    etop, evalid = topk_positions(combined, ks, k)
+    in_cand = torch.gather(cand[:, None, :].expand(-1, H, -1), 2, etop)
+    return torch.zeros(combined.shape, dtype=torch.bool, device=exact.device).scatter_(2, etop, evalid & in_cand)
+
+
+def selection_recall(exact, valid, cand, chosen, ks: list[int], k: int, mode: str, G: int, exact_set=None):
     """How well a selection covers exact attention. exact (B, H, G*Q, S) scaled scores; valid, cand (B, S);
     chosen (B, H, S) the selected middle tokens, k the selection's width -> (top-k recall (B, H): the share of
     the exact top-k under the same rule (same candidates, same GQA combine, same ks) that was chosen; mass recall
     (B, H): the share of the exact attention on the attended tokens (chosen + sinks + window); per-query-head
-    recall (H*G,))."""
-    B, H, _, S = exact.shape
-    combined = combine_rows(exact.transpose(2, 3).contiguous(), cand, mode)  # (B, H, S)
-    etop, evalid = topk_positions(combined, ks, k)
-    in_cand = torch.gather(cand[:, None, :].expand(-1, H, -1), 2, etop)
-    exact_set = torch.zeros_like(chosen).scatter_(2, etop, evalid & in_cand)
+    recall (H*G,)). exact_set: exact_topk_set's result, when the caller has it."""
+    if exact_set is None:
+        exact_set = exact_topk_set(exact, cand, ks, k, mode)
     topk_recall = (chosen & exact_set).sum(-1).float() / exact_set.sum(-1).clamp(min=1)
     probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
     attended = chosen | (~cand[:, None, :] & valid[:, None, :])  # sinks and window are attended too

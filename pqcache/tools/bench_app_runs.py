@@ -1,0 +1,188 @@
+"""The runners of `bench app` (bench_app.py says what each measures): the app's objects in this process, generate,
+`python app.py` through its API, and llama.cpp on the same token ids."""
+
+from __future__ import annotations
+
+import queue
+import re
+import threading
+import time
+
+from pqcache.engine.config import PQCacheConfig
+from pqcache.serving.pool import SessionPool
+from pqcache.serving.prompt import build_prompt
+from pqcache.serving.settings import LoadSettings, answer_observer
+from pqcache.serving.worker import DocumentWorker
+from pqcache.tools.passkey import LONG_QUESTION
+
+FACT, QUESTION, ANSWER = (
+    "The secret code for the blue door is 4721.",
+    "What is the secret code for the blue door?",
+    "4721",
+)
+LONG_TOKENS = 32  # the long answer's tokens (decode ms/token)
+
+
+def document(tokenizer, n_tokens: int) -> str:
+    """Whole essay sentences adding up to about n_tokens tokens, with FACT in the middle."""
+    from pqcache.tools.datasets import haystack, insert_at_depth
+
+    return insert_at_depth(haystack(tokenizer, n_tokens - 20), FACT, 0.5)[0]
+
+
+def _row(runner: str, n_doc: int, load_s: float, ttft_s: float, decode_ms: float, text: str, **extra) -> dict:
+    return {
+        "runner": runner,
+        "tokens": n_doc,
+        "load_tok_s": round(n_doc / load_s, 1),
+        "ttft_s": round(ttft_s, 3),
+        "decode_ms": round(decode_ms, 2),
+        "answer": text,
+        "right": ANSWER in text,
+        **extra,
+    }
+
+
+def _timed(ask) -> tuple[float, float, str, int]:
+    """ask(on_token) -> answer with .text and .tokens; -> (seconds to the first token, decode ms a token after the
+    first, text, tokens)."""
+    t0, stamps = time.perf_counter(), []
+    answer = ask(lambda *_: stamps.append(time.perf_counter()))
+    n = len(answer.tokens)
+    decode_ms = 1e3 * (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) if stamps else 0.0
+    return (stamps[0] - t0 if stamps else 0.0), decode_ms, answer.text, n
+
+
+def session_row(model, tokenizer, text: str) -> dict:
+    """The app's objects in this process: worker.load and session.ask on threads, the app's settings and observer."""
+    worker = DocumentWorker(model, tokenizer, SessionPool(max_bytes=8 * 2**30, idle_s=None), pq_timeout_s=120)
+    stop, updates = threading.Event(), queue.Queue()
+
+    def progress(fraction, step):  # what the app's progress callback does: note it for the page's next poll
+        updates.put((fraction, step))
+
+    t0 = time.perf_counter()
+    session = _on_thread(lambda: worker.load("bench", "document", text, LoadSettings(), progress, stop))
+    load_s = time.perf_counter() - t0
+    observers = []
+
+    def ask(question, max_new_tokens):
+        def run(on_token):
+            observers.append(answer_observer())
+            return _on_thread(
+                lambda: session.ask(question, "pqcache", max_new_tokens, stop, observers[-1], on_token=on_token)
+            )
+
+        return run
+
+    ttft_s, _, text_fact, _ = _timed(ask(QUESTION, 16))
+    t1 = time.perf_counter()
+    _, decode_ms, _, _ = _timed(ask(LONG_QUESTION, LONG_TOKENS))
+    answer_s = time.perf_counter() - t1
+    n_doc = session.n_tokens
+    worker.free("bench")
+    observe = observers[-1].cost_s / answer_s if answer_s > 0 else 0.0
+    return _row("session", n_doc, load_s, ttft_s, decode_ms, text_fact, observe_share=round(observe, 3))
+
+
+def generate_row(model, tokenizer, text: str) -> dict:
+    """generate() as the CLI runs it: the document prefilled (PQ built), the question, the answer; no observer."""
+    from pqcache.serving.generate import generate
+
+    def ask(question, max_new_tokens):
+        def run(on_token):
+            out = generate(model, tokenizer, build_prompt(tokenizer, text, question), "pqcache", PQCacheConfig(),
+                           max_new_tokens, on_token=on_token)  # fmt: skip
+            run.stats = out.stats
+            return out
+
+        return run
+
+    fact = ask(QUESTION, 16)
+    _, _, text_fact, _ = _timed(fact)
+    stats = fact.stats
+    _, decode_ms, _, _ = _timed(ask(LONG_QUESTION, LONG_TOKENS))
+    n_doc = stats["prompt_tokens"] - len(build_prompt(tokenizer, text, QUESTION).encode(tokenizer)[1][0])
+    return _row("generate", n_doc, stats["prefill_s"], stats["question_s"], decode_ms, text_fact)
+
+
+def _on_thread(work):
+    """work() on a thread of its own, as the app runs loads and answers; its result (or its exception)."""
+    out: dict = {}
+
+    def run():
+        try:
+            out["result"] = work()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            out["error"] = exc
+
+    thread = threading.Thread(target=run, name="pqcache-bench")
+    thread.start()
+    thread.join()
+    if "error" in out:
+        raise out["error"]
+    return out["result"]
+
+
+def app_row(text: str) -> dict:
+    """`python app.py` through its API: the load's wall time, the first streamed answer text, the page's own line."""
+    from gradio_client import Client
+
+    from pqcache.tools.app_process import running_app
+
+    with running_app("--max-cache-gib", "4") as (url, _):
+        client = Client(url, verbose=False)
+        t0 = time.perf_counter()
+        status = client.predict(None, text, *LoadSettings().values(), api_name="/load_document")[0]
+        load_s = time.perf_counter() - t0
+        n_doc = int(re.search(r"Loaded \*\*(\d+)\*\* tokens", status).group(1))
+        ttft_s, text_fact, _ = _stream(client, QUESTION, 16)
+        first_s, _, line = _stream(client, LONG_QUESTION, LONG_TOKENS)
+    n, seconds = (float(x) for x in re.search(r"(\d+) tokens in ([\d.]+) s", line).groups())
+    decode_ms = 1e3 * max(0.0, seconds - first_s) / max(1.0, n - 1)
+    return _row("app", n_doc, load_s, ttft_s, decode_ms, text_fact, page=line.split(" (")[0])
+
+
+def _stream(client, question: str, max_new_tokens: int) -> tuple[float, str, str]:
+    """Ask through the page's /ask -> (seconds to the first streamed answer text, the answer, the timing line)."""
+    t0, first, last = time.perf_counter(), None, None
+    for last in client.submit(question, [], "pqcache", max_new_tokens, "5", api_name="/ask"):
+        content = last[0][-1]["content"] if last[0] else ""
+        content = content[0]["text"] if isinstance(content, list) else content
+        if first is None and last[0] and last[0][-1]["role"] == "assistant" and not content.startswith("*"):
+            first = time.perf_counter() - t0
+    text = last[0][-1]["content"][0]["text"].split("\n\n*")[0]
+    return first or time.perf_counter() - t0, text, last[1]
+
+
+def llama_row(gguf: str, tokenizer, text: str, threads: int) -> dict:
+    """llama.cpp on the same ids: the document evaluated (load), the question (the first token), the long answer."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    from pqcache.serving.prompt import PromptBuilder
+
+    builder = PromptBuilder(tokenizer)
+    doc = builder.document_ids(text)[0].tolist()
+    llm = Llama(model_path=gguf, n_ctx=len(doc) + 256, n_batch=512, n_ubatch=512, n_threads=threads,
+                n_threads_batch=threads, flash_attn=True, swa_full=False, verbose=False)  # fmt: skip
+
+    def argmax() -> int:
+        return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))
+
+    t0 = time.perf_counter()
+    llm.eval(doc)
+    load_s = time.perf_counter() - t0
+    answers = []
+    for question, n_new in ((QUESTION, 16), (LONG_QUESTION, LONG_TOKENS)):
+        llm.n_tokens = len(doc)  # back to the cached document: the question continues it
+        t1 = time.perf_counter()
+        llm.eval(builder.question_ids(question)[0].tolist())
+        tokens, stamps = [argmax()], [time.perf_counter()]
+        for _ in range(n_new - 1):
+            llm.eval([tokens[-1]])
+            tokens.append(argmax())
+            stamps.append(time.perf_counter())
+        answers.append((stamps[0] - t1, 1e3 * (stamps[-1] - stamps[0]) / (n_new - 1), tokenizer.decode(tokens)))
+    fact = answers[0][2].split("\n\n")[0]  # the page's stop rule ends the answer at a blank line
+    return _row("llama.cpp", len(doc), load_s, answers[0][0], answers[1][1], fact)
