@@ -101,7 +101,7 @@ class QATab(LoadHandlers):
             feed.show(session, obs, method, layer=layer)
 
             def keep(answer):  # what the document view shows of this answer
-                keys = ("sources", "attended", "missed")
+                keys = ("sources", "attended", "missed", "tokens")
                 kept = {k: list(getattr(answer, k, None) or []) for k in keys}
                 self.answers[user] = (getattr(session, "doc_text", ""), {**kept, "method": method})
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import queue
 import threading
+import time
 
 import gradio as gr
 
@@ -17,6 +18,7 @@ from studio.status import document_name
 
 SAMPLE = "passkey_1k.txt"  # the document *Try a sample* loads (assets/)
 WAIT_S = 0.5  # how often a load's progress (and a waiting question) is looked at
+PROGRESS_EVERY_S = 1.0  # a load's progress is sent to the page at most this often
 
 
 class LoadHandlers:
@@ -79,7 +81,7 @@ class LoadHandlers:
 
                 worker = threading.Thread(target=work, daemon=True, name="pqcache-load")
                 worker.start()
-                done, shown = False, None
+                done, shown, sent = False, None, 0.0
                 try:
                     while not done:
                         try:
@@ -88,9 +90,11 @@ class LoadHandlers:
                                 done = updates.get_nowait() is None
                         except queue.Empty:
                             pass
-                        line = self.status.line(user)
-                        if not done and line != shown:
-                            shown = line
+                        line, now = self.status.line(user), time.monotonic()
+                        # at most one update a second: each costs the server's event loop (and the GIL the
+                        # prefill's operators wait for) a few ms per output, skipped ones included
+                        if not done and line != shown and now - sent >= PROGRESS_EVERY_S:
+                            shown, sent = line, now
                             yield line, *skip
                 finally:  # the page went away mid-load (GeneratorExit): stop the prefill, do not leak it
                     if not done:

@@ -156,7 +156,9 @@ def test_ruler_cases_hold_their_answers(tok):
 def test_recall_study_on_real_keys(real_model):
     model, tok = real_model
     text = tok.decode(tok(datasets.essays_text()).input_ids[1:700])
-    rows = evaluate.recall_study(
+    from pqcache.tools.recall import recall_study
+
+    rows = recall_study(
         model, tok, text, ms=(2,), bits_list=(4, 8), reranks=(1, 4, 1000), budgets=(0.1,), n_queries=4, iters=5
     )
     assert [(r["layer"], r["bits"], r["rerank"]) for r in rows][:4] == [(5, 4, 1), (5, 4, 4), (5, 4, 1000), (5, 8, 1)]

@@ -45,7 +45,7 @@ def test_a_question_chunk_is_probed_at_its_last_token(monkeypatch):
     """Several new tokens in one step (a question after a document): the probe reads the last one's queries, as a
     decode step's, instead of sorting every token's scores (that took 0.3 s of a first token at 8K): its power-law
     record is that token's exact attention over the stored tokens."""
-    import pqcache.engine.layer.layer as layer_module
+    import pqcache.engine.layer.general as layer_module
 
     model = tiny_model("llama")
     gen = torch.Generator().manual_seed(5)

@@ -240,6 +240,7 @@ class DocumentReplica:
                                     "text",
                                     "tokens",
                                     "seconds",
+                                    "first_s",
                                     "stopped",
                                     "ended",
                                     "sources",

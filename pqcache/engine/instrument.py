@@ -37,11 +37,19 @@ class Instrumentation:
         selections: bool = False,
         max_events: int = 50_000,
         n_sorted: int = 64,
+        max_share: float | None = None,
     ):
+        """attention_every, recall_every: sample every Nth step for the power law and the recall (0: never); those
+        steps score every stored token exactly. max_share: skip a due sample while the recording has cost more than
+        this share of the time since the first step it saw, so watching costs at most about that much whatever the
+        context length (None: every due step is sampled)."""
         self.timeline = timeline
         self.selections = selections
         self.attention_every = attention_every
         self.recall_every = recall_every
+        self.max_share = max_share
+        self._sampled: dict[int, bool] = {}  # step -> whether it is sampled (every layer of a step alike)
+        self._first = None  # when the first step was seen (max_share's clock)
         self.max_events = max_events
         self.n_sorted = n_sorted
         self.t0 = time.perf_counter()
@@ -80,25 +88,31 @@ class Instrumentation:
             self.bytes[direction] += int(nbytes)
 
     def wants_attention(self, step: int) -> bool:
-        return self.attention_every > 0 and step % self.attention_every == 0
+        return self.attention_every > 0 and step % self.attention_every == 0 and self._within_share(step)
 
     def wants_recall(self, step: int) -> bool:
-        return self.recall_every > 0 and step % self.recall_every == 0
+        return self.recall_every > 0 and step % self.recall_every == 0 and self._within_share(step)
 
-    def record_attention(self, layer: int, step: int, probs_sorted: torch.Tensor):
-        """probs_sorted (S,) descending: kept at log-spaced ranks for a power-law plot."""
-        n = probs_sorted.numel()
-        ranks = torch.unique(torch.logspace(0, torch.log10(torch.tensor(float(max(n, 1)))), self.n_sorted).long()) - 1
-        ranks = ranks[ranks < n]
-        self.attention.append(
-            {
-                "layer": layer,
-                "step": step,
-                "n_tokens": n,
-                "rank": (ranks + 1).tolist(),
-                "prob": probs_sorted[ranks].tolist(),
-            }
-        )
+    def _within_share(self, step: int) -> bool:
+        """Whether a due step is sampled under max_share (decided once per step, for all its layers)."""
+        if self.max_share is None:
+            return True
+        if step not in self._sampled:
+            now = time.perf_counter()
+            self._first = self._first or now
+            self._sampled[step] = self.cost_s <= self.max_share * (now - self._first)
+        return self._sampled[step]
+
+    def ranks(self, n: int) -> list[int]:
+        """The log-spaced ranks (1-based, at most n_sorted) the power law keeps of n tokens."""
+        top = torch.log10(torch.tensor(float(max(n, 1))))
+        ranks = torch.unique(torch.logspace(0, top, self.n_sorted).long())
+        return ranks[ranks <= n].tolist()
+
+    def record_attention(self, layer: int, step: int, n_tokens: int, ranks: list[int], probs: list[float]):
+        """The attention probabilities at the given ranks (descending order, mean over heads) of n_tokens tokens,
+        for a power-law plot."""
+        self.attention.append({"layer": layer, "step": step, "n_tokens": n_tokens, "rank": ranks, "prob": probs})
 
     def record_recall(
         self,

@@ -162,6 +162,7 @@ def generate(
     config: PQCacheConfig | None = None,
     max_new_tokens: int = 32,
     on_token=None,
+    sources: bool = True,
 ) -> Generation:
     """Greedy answer to `prompt` (a pqcache.serving.prompt.Prompt: its stop rule ends the answer; or a plain
     string, which ends at EOS, a repetition loop or max_new_tokens); on_token(text_so_far) after each token.
@@ -169,7 +170,7 @@ def generate(
     A Prompt with a document runs as the app runs it: the document part is prefilled (and its PQ built), then the
     question part as a second chunk, then the answer; every method, full attention too, is a PQCache over the
     same tiers, and the answer's sources come with it. A plain string is one prefill (full attention: transformers'
-    DynamicCache)."""
+    DynamicCache). sources=False: no tally of the attention (what the sources cost: `bench app`)."""
     if max_new_tokens < 1:
         raise InputError("max_new_tokens must be >= 1")
     device = next(model.parameters()).device
@@ -186,7 +187,7 @@ def generate(
     tally = None
     if document:  # the document is cached: its PQ is built before the question, as a session's load waits for it
         cache.wait()
-        tally = cache.tally_sources(AttentionTally(parts[0].shape[1]))
+        tally = cache.tally_sources(AttentionTally(parts[0].shape[1])) if sources else None
         prefill_s = time.perf_counter() - t0
         logits = prefill(model, parts[1], cache)
     else:

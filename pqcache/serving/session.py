@@ -39,6 +39,7 @@ class Answer:
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     seconds: float = 0.0
+    first_s: float = 0.0  # seconds from the question to the first answer token (the question's prefill, then it)
     done: bool = False
     stopped: bool = False
     ended: str = ""  # why the answer ended: eos, end_of_answer, repetition, max_new_tokens or stopped
@@ -194,6 +195,7 @@ class DocumentSession:
         self.doc_ids = ids[0].tolist()
         self.truncated = (self.n_tokens, n_doc) if self.n_tokens < n_doc else None
         self.doc_text, self._spans = text, None
+        self.spans()  # each position's characters, for the answers' sources (a second tokenization, with offsets)
         return {"tokens": self.n_tokens, "document_tokens": n_doc, "prefill_s": self.prefill_s, **cache.stats()}
 
     def spans(self) -> list[tuple[int, int]]:
@@ -249,6 +251,7 @@ class DocumentSession:
             answer.tokens = tokens
             answer.text = self.tokenizer.decode(tokens, skip_special_tokens=True)
             answer.seconds = time.perf_counter() - t0
+            answer.first_s = answer.first_s or answer.seconds
             if on_token is not None:
                 on_token(answer)
 
@@ -266,10 +269,10 @@ class DocumentSession:
                 )
                 answer.tokens, answer.stopped, answer.ended = decoded.tokens, decoded.stopped, decoded.ended
                 answer.text = self.tokenizer.decode(answer.tokens, skip_special_tokens=True)
+            answer.seconds = time.perf_counter() - t0  # the answer's time: what follows is bookkeeping
         finally:
             self.last_stats = cache.stats()
             cache.close()
-        answer.seconds = time.perf_counter() - t0
         spans = self.spans()
         answer.sources = [p.to_dict() for p in passages(self.doc_text, spans, tally.received)]
         answer.attended, answer.missed = highlights(spans, tally)

@@ -82,7 +82,7 @@ class LoadSettings:
 
 # What the app's live panels watch while an answer streams: the timeline of every step, and every 4th step's exact
 # scores for the power-law and recall panels (the sampled steps are most of what watching costs: `bench app`).
-ANSWER_OBSERVER = dict(timeline=True, attention_every=4, recall_every=4)
+ANSWER_OBSERVER = dict(timeline=True, attention_every=4, recall_every=4, max_share=0.1)
 
 
 def answer_observer() -> Instrumentation:

@@ -20,9 +20,8 @@ Ratios against generate at the same length: load_vs_generate (tokens/s, higher i
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
-
-from pqcache.tools.bench_app_runs import app_row, document, generate_row, llama_row, session_row
 
 LENGTHS = (1024, 8192, 24576)
 RUNNERS = ("app", "session", "generate", "llama.cpp")
@@ -40,34 +39,40 @@ def with_ratios(rows: list[dict]) -> list[dict]:
 
 
 def bench_app(model="default", lengths=LENGTHS, runners=RUNNERS, gguf=None, threads=None, progress=None) -> list:
-    """The rows of every length and runner (a runner that fails gives a row with its error)."""
-    from pqcache.fastpath.dtype import available_cpus
-    from pqcache.serving.loading import default_gguf, load_model
-    from pqcache.tools.e2e import llama_cpp_installed
+    """The rows of every length and runner, each runner in a process of its own (nothing one leaves behind, such as
+    llama.cpp's threads or another runner's OpenMP team, slows the next); a runner that fails gives a row that says
+    how, and the others still run."""
+    import json
+    import sys
+    import tempfile
 
-    loaded, tokenizer = load_model(model, progress=lambda *_: None)
+    from pqcache.fastpath.dtype import available_cpus
+    from pqcache.tools.e2e import failure, llama_cpp_installed
+
     rows = []
     for n in lengths:
-        text = document(tokenizer, n)
         for runner in runners:
             if progress is not None:
                 progress(f"{runner} at {n} tokens")
+            if runner == "llama.cpp" and not llama_cpp_installed():
+                rows.append(
+                    {"length": n, "runner": runner, "note": "not installed (pip install -r requirements-bench.txt)"}
+                )
+                continue
+            spec = {"model": model, "length": n, "runner": runner, "gguf": gguf, "threads": threads or available_cpus()}
+            with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+                json.dump(spec, f)
             try:
-                if runner == "app":
-                    row = app_row(text)
-                elif runner == "session":
-                    row = session_row(loaded, tokenizer, text)
-                elif runner == "generate":
-                    row = generate_row(loaded, tokenizer, text)
-                elif not llama_cpp_installed():
-                    row = {"runner": runner, "note": "not installed (pip install -r requirements-bench.txt)"}
-                else:
-                    row = llama_row(
-                        gguf or str(default_gguf(lambda *_: None)), tokenizer, text, threads or available_cpus()
-                    )
-            except Exception as exc:  # noqa: BLE001 - the other runners still run
-                row = {"runner": runner, "error": f"{type(exc).__name__}: {exc}"}
-            rows.append({"length": n, **row})
+                proc = subprocess.run([sys.executable, "-m", "pqcache.tools.bench_app_runs", f.name],
+                                      capture_output=True, text=True)  # fmt: skip
+            finally:
+                Path(f.name).unlink(missing_ok=True)
+            try:
+                row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
+            except (IndexError, ValueError):
+                row = None
+            rows.append({"length": n, **(row or {"runner": runner, "error": failure(proc.returncode, proc.stdout,
+                                                                                     proc.stderr)})})  # fmt: skip
     return with_ratios(rows)
 
 

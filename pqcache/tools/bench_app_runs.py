@@ -24,10 +24,13 @@ LONG_TOKENS = 32  # the long answer's tokens (decode ms/token)
 
 
 def document(tokenizer, n_tokens: int) -> str:
-    """Whole essay sentences adding up to about n_tokens tokens, with FACT in the middle."""
-    from pqcache.tools.datasets import haystack, insert_at_depth
+    """The passkey filler (the sample's kind of text, on which LONG_QUESTION's answer counts on for LONG_TOKENS) to
+    about n_tokens tokens, with FACT in the middle."""
+    from pqcache.tools.passkey import FILLER, INTRO
 
-    return insert_at_depth(haystack(tokenizer, n_tokens - 20), FACT, 0.5)[0]
+    per = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
+    n = max(2, (n_tokens - 40) // per)
+    return INTRO + FILLER * (n // 2) + FACT + " " + FILLER * (n - n // 2)
 
 
 def _row(runner: str, n_doc: int, load_s: float, ttft_s: float, decode_ms: float, text: str, **extra) -> dict:
@@ -75,7 +78,7 @@ def session_row(model, tokenizer, text: str) -> dict:
 
         return run
 
-    ttft_s, _, text_fact, _ = _timed(ask(QUESTION, 16))
+    ttft_s, _, text_fact, _ = _timed(ask(QUESTION, 24))
     t1 = time.perf_counter()
     _, decode_ms, _, _ = _timed(ask(LONG_QUESTION, LONG_TOKENS))
     answer_s = time.perf_counter() - t1
@@ -86,24 +89,31 @@ def session_row(model, tokenizer, text: str) -> dict:
 
 
 def generate_row(model, tokenizer, text: str) -> dict:
-    """generate() as the CLI runs it: the document prefilled (PQ built), the question, the answer; no observer."""
+    """generate() as the CLI runs it: the document prefilled (PQ built), the question, the answer; no observer. The
+    long answer runs twice, with and without its sources' tally: `sources_cost` is the ratio of their ms/token."""
     from pqcache.serving.generate import generate
 
-    def ask(question, max_new_tokens):
+    def ask(question, max_new_tokens, sources=True):
         def run(on_token):
-            out = generate(model, tokenizer, build_prompt(tokenizer, text, question), "pqcache", PQCacheConfig(),
-                           max_new_tokens, on_token=on_token)  # fmt: skip
+            prompt = build_prompt(tokenizer, text, question)  # on a thread too: no OpenMP team outlives a runner
+            out = _on_thread(lambda: generate(model, tokenizer, prompt, "pqcache", PQCacheConfig(), max_new_tokens,
+                                              on_token=on_token, sources=sources))  # fmt: skip
             run.stats = out.stats
             return out
 
         return run
 
-    fact = ask(QUESTION, 16)
+    fact = ask(QUESTION, 24)
     _, _, text_fact, _ = _timed(fact)
     stats = fact.stats
-    _, decode_ms, _, _ = _timed(ask(LONG_QUESTION, LONG_TOKENS))
+    with_sources, bare = [], []
+    for _ in range(2):  # taking turns, the best of two each: a drift of the machine's speed hits both alike
+        with_sources.append(_timed(ask(LONG_QUESTION, LONG_TOKENS))[1])
+        bare.append(_timed(ask(LONG_QUESTION, LONG_TOKENS, sources=False))[1])
+    decode_ms, bare_ms = min(with_sources), min(bare)
     n_doc = stats["prompt_tokens"] - len(build_prompt(tokenizer, text, QUESTION).encode(tokenizer)[1][0])
-    return _row("generate", n_doc, stats["prefill_s"], stats["question_s"], decode_ms, text_fact)
+    cost = round(decode_ms / bare_ms, 3) if bare_ms else None
+    return _row("generate", n_doc, stats["prefill_s"], stats["question_s"], decode_ms, text_fact, sources_cost=cost)
 
 
 def _on_thread(work):
@@ -124,23 +134,25 @@ def _on_thread(work):
     return out["result"]
 
 
-def app_row(text: str) -> dict:
+def app_row(text: str, model: str = "default") -> dict:
     """`python app.py` through its API: the load's wall time, the first streamed answer text, the page's own line."""
     from gradio_client import Client
 
     from pqcache.tools.app_process import running_app
 
-    with running_app("--max-cache-gib", "4") as (url, _):
+    flags = ["--max-cache-gib", "4"] + ([] if model == "default" else ["--model", model])
+    with running_app(*flags) as (url, _):
         client = Client(url, verbose=False)
         t0 = time.perf_counter()
         status = client.predict(None, text, *LoadSettings().values(), api_name="/load_document")[0]
         load_s = time.perf_counter() - t0
         n_doc = int(re.search(r"Loaded \*\*(\d+)\*\* tokens", status).group(1))
-        ttft_s, text_fact, _ = _stream(client, QUESTION, 16)
-        first_s, _, line = _stream(client, LONG_QUESTION, LONG_TOKENS)
-    n, seconds = (float(x) for x in re.search(r"(\d+) tokens in ([\d.]+) s", line).groups())
-    decode_ms = 1e3 * max(0.0, seconds - first_s) / max(1.0, n - 1)
-    return _row("app", n_doc, load_s, ttft_s, decode_ms, text_fact, page=line.split(" (")[0])
+        ttft_s, text_fact, _ = _stream(client, QUESTION, 24)
+        _, _, line = _stream(client, LONG_QUESTION, LONG_TOKENS)
+    # the page's own figures: "N tokens in T s (...); first token after F s, then M ms a token"
+    found = re.search(r"first token after ([\d.]+) s, then ([\d.]+) ms", line)
+    page_first, decode_ms = (float(x) for x in found.groups())
+    return _row("app", n_doc, load_s, ttft_s, decode_ms, text_fact, page=line, page_first_s=page_first)
 
 
 def _stream(client, question: str, max_new_tokens: int) -> tuple[float, str, str]:
@@ -174,7 +186,7 @@ def llama_row(gguf: str, tokenizer, text: str, threads: int) -> dict:
     llm.eval(doc)
     load_s = time.perf_counter() - t0
     answers = []
-    for question, n_new in ((QUESTION, 16), (LONG_QUESTION, LONG_TOKENS)):
+    for question, n_new in ((QUESTION, 24), (LONG_QUESTION, LONG_TOKENS)):
         llm.n_tokens = len(doc)  # back to the cached document: the question continues it
         t1 = time.perf_counter()
         llm.eval(builder.question_ids(question)[0].tolist())
@@ -186,3 +198,32 @@ def llama_row(gguf: str, tokenizer, text: str, threads: int) -> dict:
         answers.append((stamps[0] - t1, 1e3 * (stamps[-1] - stamps[0]) / (n_new - 1), tokenizer.decode(tokens)))
     fact = answers[0][2].split("\n\n")[0]  # the page's stop rule ends the answer at a blank line
     return _row("llama.cpp", len(doc), load_s, answers[0][0], answers[1][1], fact)
+
+
+def run_spec(spec: dict) -> dict:
+    """One runner at one length (bench_app.py's spec): its row."""
+    from transformers import AutoTokenizer
+
+    from pqcache.serving.loading import DEFAULT_NAMES, default_gguf, load_model, prepare_default_model
+
+    runner = spec["runner"]
+    if runner == "app":  # the app loads its own model
+        quiet = prepare_default_model(lambda *_: None) if spec["model"] in DEFAULT_NAMES else spec["model"]
+        return app_row(document(AutoTokenizer.from_pretrained(str(quiet)), spec["length"]), spec["model"])
+    model, tokenizer = load_model(spec["model"], progress=lambda *_: None)
+    text = document(tokenizer, spec["length"])
+    if runner == "session":
+        return session_row(model, tokenizer, text)
+    if runner == "generate":
+        return generate_row(model, tokenizer, text)
+    if runner == "llama.cpp":
+        return llama_row(spec["gguf"] or str(default_gguf(lambda *_: None)), tokenizer, text, spec["threads"])
+    raise ValueError(f"unknown runner {runner!r}")
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    with open(sys.argv[1], encoding="utf-8") as f:
+        print(json.dumps(run_spec(json.load(f))))

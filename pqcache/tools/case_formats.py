@@ -44,12 +44,17 @@ def _records(path):
             yield n, record
 
 
+def _answer(a) -> bool:
+    """A reference answer: a string, or a non-empty list of alternative strings (any one counts)."""
+    return isinstance(a, str) or (isinstance(a, list) and bool(a) and all(isinstance(x, str) for x in a))
+
+
 def _pqcache_case(case: dict) -> dict:
     missing = [k for k in REQUIRED if k not in case]
     if missing:
         raise ValueError(f"missing {', '.join(missing)}")
-    if not isinstance(case["answers"], list) or not all(isinstance(a, str) for a in case["answers"]):
-        raise ValueError("answers must be a list of strings")
+    if not isinstance(case["answers"], list) or not all(_answer(a) for a in case["answers"]):
+        raise ValueError("answers must be a list of strings (or of lists of strings: alternatives)")
     case.setdefault("query_aware", True)
     return case
 

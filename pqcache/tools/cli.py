@@ -200,7 +200,9 @@ def cmd_eval(args) -> int:
         from pqcache.tools.datasets import essays_text
 
         text = tok.decode(tok(essays_text()).input_ids[1 : args.context_tokens])
-        rows = evaluate.recall_study(
+        from pqcache.tools.recall import recall_study
+
+        rows = recall_study(
             model,
             tok,
             text,
@@ -238,6 +240,13 @@ def cmd_datasets(args) -> int:
     from pqcache.serving.loading import prepare_default_model
     from pqcache.tools import datasets
 
+    if args.kind == "realdocs":  # fixed questions on real texts: no tokenizer needed
+        from pqcache.tools.realdocs import realdocs
+
+        cases = realdocs()
+        datasets.write_jsonl(cases, args.out)
+        print(f"wrote {len(cases)} cases to {args.out}")
+        return 0
     tok = AutoTokenizer.from_pretrained(prepare_default_model(lambda msg: print(msg, file=sys.stderr)))
     if args.kind == "niah":
         cases = datasets.niah(tok, args.lengths, args.depths, args.query_aware, natural=args.natural, seed=args.seed)

@@ -11,7 +11,6 @@ reference strings found in the answer.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import defaultdict
 
@@ -19,21 +18,25 @@ import torch
 
 from pqcache.engine.cache import PQCache
 from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.sources import AttentionTally
 from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
 from pqcache.serving.stopping import looping
-from pqcache.tools import case_formats, longbench, ruler_format
+from pqcache.tools import case_formats, case_sources, longbench, ruler_format
 from pqcache.tools.case_formats import CaseError, load_cases  # noqa: F401  (evaluate's API)
 
 # the case fields not copied into its rows (the texts, and what only the prompt or the score needs)
 NOT_IN_ROWS = ("context", "question", "answers", "needle", "prompt", "all_classes")
 
 
-def score(prediction: str, answers: list[str]) -> float:
-    """Fraction of the reference strings contained in the prediction (case-insensitive)."""
+def score(prediction: str, answers: list) -> float:
+    """Fraction of the reference answers contained in the prediction (case-insensitive); an answer given as a list
+    of alternatives counts when any of them is."""
     if not answers:
         return 0.0
     pred = prediction.lower()
-    return sum(a.lower() in pred for a in answers) / len(answers)
+    return sum(any(a.lower() in pred for a in ([ref] if isinstance(ref, str) else ref)) for ref in answers) / len(
+        answers
+    )
 
 
 def case_score(case: dict, prediction: str) -> float:
@@ -104,6 +107,9 @@ def run_case(
     else:
         prefill_ids = ctx_ids
     base = PQCache(model, config, method="pqcache", keep_queries=True)
+    spans = evidence = None
+    if case.get("format", "pqcache") == "pqcache":  # the builder's prompt: sources map to the context's characters
+        spans, evidence = case_sources.spans_and_evidence(tokenizer, case, int(ctx_ids.shape[1]))
     t0 = time.perf_counter()
     logits = prefill(model, prefill_ids, base)
     base.wait()
@@ -114,6 +120,7 @@ def run_case(
     for method in methods:
         name, settings = method_spec(method, config)
         cache = base.fork(name, settings)
+        tally = cache.tally_sources(AttentionTally(int(ctx_ids.shape[1]))) if spans is not None else None
         t1 = time.perf_counter()
         first = logits if case.get("query_aware", True) else prefill(model, q_ids, cache)
         decoded = decode_n_tokens(model, first, cache, max_new_tokens, eos, stop_rule=rule)
@@ -135,6 +142,8 @@ def run_case(
                 "repeating": decoded.ended == "repetition" or (decoded.ended == "max_new_tokens" and looping(tokens)),
                 "prefill_s": round(prefill_s, 3),
                 "decode_s": round(decode_s, 3),
+                "tokens": tokens,
+                **case_sources.row_fields(case["context"], spans, tally, evidence),
             }
         )
         cache.close()
@@ -162,88 +171,7 @@ def summarize(rows: list[dict], group_by: list[str] | None = None, by_dataset: b
                 "score": round(100 * sum(r["score"] for r in group) / len(group), 1),
                 "at_max": sum(r.get("ended") == "max_new_tokens" for r in group),
                 "repeating": sum(bool(r.get("repeating")) for r in group),
+                **case_sources.hit_rate(group),
             }
         )
     return out
-
-
-@torch.no_grad()
-def recall_study(
-    model,
-    tokenizer,
-    context: str,
-    ms=(None, 2, 4),
-    bits_list=(None, 6, 8),
-    reranks=(1, 2, 4, 8),
-    opqs=(False,),
-    budgets=(0.1,),
-    n_queries: int = 16,
-    iters: int = 20,
-) -> list[dict]:
-    """Top-k recall of the selection as it works (PQ search, then the exact re-rank of rerank x k
-    candidates) against the exact top-k under the same rule (same candidates, same GQA combine, same
-    k), per KV head and per query head (each query head's own exact top-k), and the share of the
-    exact attention mass on the attended tokens (sinks + top-k + window). On the model's real keys:
-    the full-attention layers' keys of one prefill, the last n_queries prefill queries as queries.
-    m or bits None: the defaults (chosen from head_dim and the context length)."""
-    from dataclasses import replace
-
-    from pqcache.engine.layer.probe import selection_recall
-    from pqcache.tools.bench import filled_layer
-
-    device = next(model.parameters()).device
-    ids = tokenizer(context, return_tensors="pt").input_ids.to(device)
-    base = PQCache(model, PQCacheConfig(kmeans_iters=1), method="full", keep_queries=True)
-    prefill(model, ids, base)
-    rows = []
-    for layer in base.pq_layers:
-        S, H = layer.S, layer.host.H
-        keys = layer.host.keys(0, S).clone()
-        G = layer.prefill_q.shape[1] // H
-        all_valid = torch.ones((1, S), dtype=torch.bool)
-        queries = [
-            layer.prefill_q[:, :, t : t + 1].reshape(1, H, G, -1).float() * layer.scaling
-            for t in range(S - n_queries, S)
-        ]
-        for m, bits, budget, opq in itertools.product(ms, bits_list, budgets, opqs):
-            cfg = PQCacheConfig(m=m, bits=bits, token_budget=budget, kmeans_iters=iters, block_cache_tokens=0, opq=opq)
-            pql = filled_layer(keys, keys, cfg, iters=iters)  # one build serves every rerank
-            for rerank in reranks:
-                pql.config = replace(pql.config, rerank=rerank)
-                acc = {"recall": [], "mass_recall": [], "qhead": []}
-                for q in queries:
-                    top, valid = pql.select(q, 1.0)
-                    chosen = torch.zeros((1, H, S), dtype=torch.bool).scatter_(2, top, valid)
-                    exact = (keys.float() @ q.transpose(-1, -2)).transpose(2, 3)  # (1, H, G, S)
-                    recall, mass, qhead = selection_recall(
-                        exact,
-                        all_valid,
-                        pql.candidates(),
-                        chosen,
-                        pql.topk_counts(),
-                        top.shape[2],
-                        cfg.gqa_combine,
-                        G,
-                    )
-                    acc["recall"].append(recall.mean().item())
-                    acc["mass_recall"].append(mass.mean().item())
-                    acc["qhead"].append(qhead.mean().item())
-                rows.append(
-                    {
-                        "layer": layer.layer_idx,
-                        "m": pql.config.m,
-                        "bits": pql.method_state["index"].bits,
-                        "rerank": rerank,
-                        "opq": opq,
-                        "budget": budget,
-                        "recall": _mean(acc["recall"]),
-                        "mass_recall": _mean(acc["mass_recall"]),
-                        "qhead_recall": _mean(acc["qhead"]),
-                    }
-                )
-    base.close()
-    return rows
-
-
-def _mean(xs: list[float]) -> float:
-    return round(sum(xs) / len(xs), 4)

@@ -117,6 +117,20 @@ class HostTier:
             if idx.numel():
                 yield idx, store, pos[idx] - offset
 
+    def query_scores(self, q: torch.Tensor) -> torch.Tensor:
+        """q (B, H, R, D) scaled queries -> float32 exact scores over every stored key (B, H, R, S), on q's device.
+        Where q is on the host, each part of the tier is read where it lies (a fork's keys are not copied into one
+        tensor first); elsewhere the keys are copied to q's device."""
+        from pqcache.engine.layer.attention import query_key_dots
+
+        self.sync()
+        if q.device != self.host:
+            return query_key_dots(q.float(), self.keys(0, self.S, q.device, torch.float32))
+        parts = [self.shared_k[:, :, : self.S0]] if self.S0 else []
+        parts += [self.own_k[:, :, : self.S - self.S0]] if self.S > self.S0 else []
+        scores = [query_key_dots(q.to(self.dtype), part).float() for part in parts]
+        return scores[0] if len(scores) == 1 else torch.cat(scores, -1)
+
     @property
     def reads_in_place(self) -> bool:
         """Whether key_scores and value_sums read rows where they lie: float32 rows and the native kernels built."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from pqcache.engine.methods.base import combine_rows, topk_positions
@@ -49,15 +50,15 @@ def observe_picks(layer, q, scaling, top, top_valid, moved):
 
 def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Tensor, top_valid: torch.Tensor):
     """q (B, H, G, D) unscaled queries of the step's (last) token; top, top_valid (B, H, k) what the method
-    picked."""
+    picked. Scores every stored token exactly once, for both records."""
     host = layer.host
     S, B, H = host.S, host.B, host.H
-    keys = host.keys(0, S, device=layer.device, dtype=torch.float32)
-    exact = (q.float() * scaling) @ keys.transpose(-1, -2)  # (B, H, R, S)
+    exact = host.query_scores(q.float() * scaling)  # (B, H, R, S)
     valid = host.valid[:, :S]
+    probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)  # (B, H, R, S)
     if obs.wants_attention(step):
-        probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)  # (B, H, R, S)
-        obs.record_attention(layer.layer_idx, step, probs.sort(-1, descending=True).values.mean((0, 1, 2)))
+        ranks = obs.ranks(S)
+        obs.record_attention(layer.layer_idx, step, S, ranks, values_at_ranks(probs, ranks))
     if not obs.wants_recall(step) or top.shape[2] == 0:
         return
     chosen = torch.zeros((B, H, S), dtype=torch.bool, device=layer.device).scatter_(2, top, top_valid)
@@ -66,7 +67,7 @@ def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Ten
     if layer.tally is not None:  # the answer's sources: the exact top-k tokens this step did not attend to
         layer.tally.add_missed((exact_set[0] & ~chosen[0]).nonzero()[:, 1])
     topk_recall, mass, qhead = selection_recall(
-        exact, valid, cand, chosen, ks, top.shape[2], mode, q.shape[2], exact_set
+        exact, valid, cand, chosen, ks, top.shape[2], mode, q.shape[2], exact_set, probs
     )
     obs.record_recall(
         layer.layer_idx,
@@ -76,6 +77,14 @@ def probe(layer, obs, step: int, q: torch.Tensor, scaling: float, top: torch.Ten
         int(top_valid.sum(-1).max()),
         qhead.tolist(),
     )
+
+
+def values_at_ranks(probs: torch.Tensor, ranks: list[int]) -> list[float]:
+    """probs (..., S) -> the mean over the leading dims of each row's rank-r largest value, for each r (1-based).
+    numpy sorts float32 rows about 10x faster than torch.sort on a CPU (SIMD sorting: 0.18 against 2.5 ms for four
+    rows of 8K)."""
+    rows = np.sort(-probs.reshape(-1, probs.shape[-1]).float().cpu().numpy(), axis=-1)
+    return (-rows[:, [r - 1 for r in ranks]]).mean(0).tolist()
 
 
 def exact_topk_set(exact, cand, ks: list[int], k: int, mode: str) -> torch.Tensor:
@@ -88,16 +97,18 @@ def exact_topk_set(exact, cand, ks: list[int], k: int, mode: str) -> torch.Tenso
     return torch.zeros(combined.shape, dtype=torch.bool, device=exact.device).scatter_(2, etop, evalid & in_cand)
 
 
-def selection_recall(exact, valid, cand, chosen, ks: list[int], k: int, mode: str, G: int, exact_set=None):
+def selection_recall(exact, valid, cand, chosen, ks: list[int], k: int, mode: str, G: int, exact_set=None, probs=None):
     """How well a selection covers exact attention. exact (B, H, G*Q, S) scaled scores; valid, cand (B, S);
     chosen (B, H, S) the selected middle tokens, k the selection's width -> (top-k recall (B, H): the share of
     the exact top-k under the same rule (same candidates, same GQA combine, same ks) that was chosen; mass recall
     (B, H): the share of the exact attention on the attended tokens (chosen + sinks + window); per-query-head
-    recall (H*G,)). exact_set: exact_topk_set's result, when the caller has it."""
+    recall (H*G,)). exact_set, probs: exact_topk_set's result and the masked softmax of exact, when the caller has
+    them."""
     if exact_set is None:
         exact_set = exact_topk_set(exact, cand, ks, k, mode)
     topk_recall = (chosen & exact_set).sum(-1).float() / exact_set.sum(-1).clamp(min=1)
-    probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
+    if probs is None:
+        probs = exact.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(-1)
     attended = chosen | (~cand[:, None, :] & valid[:, None, :])  # sinks and window are attended too
     mass = (probs * attended[:, :, None, :]).sum(-1).mean(-1)
     return topk_recall, mass, per_query_head_recall(exact, cand, chosen, k, G)
