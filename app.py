@@ -34,6 +34,7 @@ from pqcache.serving.documents import MAX_DOCUMENT_BYTES  # noqa: E402
 from pqcache.serving.pool import SessionPool, limit_malloc_arenas  # noqa: E402
 from pqcache.tools.cli_args import add_dtype_flags  # noqa: E402
 from studio import Studio, build_ui  # noqa: E402
+from studio.ui import queued  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -126,7 +127,7 @@ def main(argv: list[str] | None = None):
     idle = f"idle caches freed after {args.idle_minutes:g} min" if pool.idle_s else "idle caches kept"
     where = f"on each of {args.replicas} Ray replicas" if args.ray else "in this process"
     print(f"model ready; caches capped at {pool.max_bytes / 2**30:.2f} GiB {where}, {idle}", flush=True)
-    build_ui(studio).queue(default_concurrency_limit=concurrency).launch(
+    queued(build_ui(studio), concurrency).launch(
         server_name=args.host, server_port=args.port, show_error=False, max_file_size=MAX_DOCUMENT_BYTES
     )
 

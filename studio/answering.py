@@ -99,7 +99,7 @@ def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, fe
     if on_done is not None:
         on_done(answer)
     status = f"{method}: {n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s){stopped}"
-    first = getattr(answer, "first_s", 0.0)
-    if first and n > 1:  # the question's prefill, then the steps: the two rates a reader waits on
-        status += f"; first token after {first:.2f} s, then {1e3 * (seconds - first) / (n - 1):.0f} ms a token"
+    first, steps = getattr(answer, "first_s", 0.0), getattr(answer, "generated", 0) or n
+    if first and steps > 1:  # the question's prefill, then each step (dropped tokens too): what a reader waits on
+        status += f"; first token after {first:.2f} s, then {1e3 * (seconds - first) / (steps - 1):.0f} ms a token"
     yield chat, status + notices(session.last_stats), *feed.figures()

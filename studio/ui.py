@@ -30,3 +30,18 @@ def build_ui(studio: Studio) -> gr.Blocks:
         demo.load(lambda: cost(*DEFAULT), None, cost_outputs, api_name=False, show_progress="hidden")
         demo.unload(qa.end_user)  # a closed tab frees its caches
     return demo
+
+
+QUEUE_POLL_S = 0.05  # how often a free queue looks for a new event
+
+
+def queued(demo: gr.Blocks, concurrency: int) -> gr.Blocks:
+    """The page's queue, polling every QUEUE_POLL_S instead of Gradio's millisecond: each poll wakes the event
+    loop and takes the GIL from the decode thread, and on a two-core machine an idle server in the process made
+    decode about 30% slower a token (docs/benchmarks.md, `bench app`). A click waits at most 50 ms more to start."""
+    demo.queue(default_concurrency_limit=concurrency)
+    queue = getattr(demo, "_queue", None)  # Gradio keeps its queue private; without it, its defaults stand
+    if queue is not None and hasattr(queue, "sleep_when_free"):
+        queue.sleep_when_free = max(queue.sleep_when_free, QUEUE_POLL_S)
+        queue.progress_update_sleep_when_free = max(queue.progress_update_sleep_when_free, QUEUE_POLL_S)
+    return demo

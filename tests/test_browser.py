@@ -1,7 +1,8 @@
 """End to end in a real browser: Debian's Chromium driven by Playwright (no browser download), one test per
-numbered observation of issue 14 (the first screen, loading, which document, responsiveness, the chat, honest
-labels, the cost model, the teaching tab), then two users. Screenshots go to out/screenshots/ (PQCACHE_SCREENSHOTS:
-elsewhere), with the measured page response time in responsiveness.json."""
+numbered observation (the first screen, loading, an answer's sources, which document, responsiveness, the chat,
+honest labels, the cost model, the teaching tab), then two users. Screenshots go to out/screenshots/
+(PQCACHE_SCREENSHOTS: elsewhere), with the measured page response time in responsiveness.json and the load and answer
+rates the page showed in rates.json."""
 
 import json
 import os
@@ -144,6 +145,33 @@ def test_2_one_progress_line_while_loading_and_a_question_that_waits(page):
     assert EXAMPLE["question"] in chat and EXAMPLE["answer"] in chat
     assert "pqcache:" in chat and "tokens in" in chat  # the chat names the method that answered
     assert page.locator("#sample-examples").is_visible()  # the sample's example questions
+    # the rates the page shows, recorded: the load's (status line) and the answer's (timing line)
+    rates = {"status": page.locator("#doc-status").inner_text(), "answer": page.locator("#gen-status").inner_text()}
+    (SHOTS / "rates.json").write_text(json.dumps(rates, indent=1))
+    print("the page's own figures:", rates)
+    assert "Prefill" in rates["status"] and "first token after" in rates["answer"]
+
+
+def test_2b_an_answer_shows_its_sources_and_a_click_shows_the_passage(page):
+    """Under the answer, the passages it read (quotes with their share); clicking one shows the document scrolled to
+    it, the passage outlined and the attended tokens shaded; the toggle adds what PQCache's search missed."""
+    chat = page.locator("#chat").inner_text()
+    assert "Sources" in chat and "of the attention" in chat
+    choices = page.locator("#sources label")
+    assert 1 <= choices.count() <= 3 and EXAMPLE["answer"] in choices.first.inner_text()  # the key's sentence first
+    choices.first.click()
+    page.wait_for_selector("#doc-view .src-passage", timeout=30_000)
+    passage = page.locator("#doc-view .src-passage").all_inner_texts()
+    assert EXAMPLE["answer"] in "".join(passage)
+    shaded = page.evaluate("() => document.querySelectorAll('#doc-view .doc-text span[style]').length")
+    assert shaded >= 10  # the attended tokens, by weight
+    in_view = """() => { const box = document.querySelector('#doc-view .doc-text').getBoundingClientRect(),
+        mark = document.querySelector('#doc-view .src-passage').getBoundingClientRect();
+        return mark.top >= box.top - 1 && mark.bottom <= box.bottom + 1; }"""
+    page.wait_for_function(in_view, timeout=10_000)  # scrolled to it
+    page.locator("#show-missed input").check()
+    page.wait_for_selector("#doc-view >> text=tokens of the exact top-k it missed", timeout=30_000)
+    page.screenshot(path=str(SHOTS / "sources.png"), full_page=True)
 
 
 def test_3_the_active_document_is_always_named(page, tmp_path):
@@ -209,7 +237,8 @@ def test_4_the_page_stays_responsive_while_200_tokens_stream(page):
     }
     (SHOTS / "responsiveness.json").write_text(json.dumps(result, indent=1))
     print("page response while streaming:", result)
-    assert len(samples) >= 20 and ("stopped" in chat.split("\n")[-1] or "max new tokens reached" in chat)
+    last = [line for line in chat.split("\n") if " tokens in " in line][-1]  # this answer's line (sources follow)
+    assert len(samples) >= 20 and ("stopped" in last or "max new tokens reached" in last)
     # panels are redrawn only when their data changed: memory stays as it is, recall moves
     assert draws and draws["panel-memory"] == 0 and draws["panel-recall"] >= 1
     settings(page, False)

@@ -11,8 +11,8 @@ from pqcache.serving.pool import SessionPool
 from pqcache.serving.settings import LoadSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCUMENT = ROOT / "assets" / "realdocs" / "Apache-2.0.txt"  # about 2,400 tokens of a real licence
-QUESTION = "When was this version of the Apache License published?"
+DOCUMENT = ROOT / "assets" / "realdocs" / "GPL-2.txt"  # about 3,950 tokens of a real licence
+QUESTION = "When was version 2 of this license released?"
 METHODS = ("full", "pqcache")
 USER = types.SimpleNamespace(session_hash="reader")
 
@@ -44,8 +44,8 @@ def test_the_app_the_cli_and_the_eval_give_the_same_tokens(real_model, cli, tmp_
         assert proc.returncode == 0, proc.stderr
         generated[method] = json.loads(proc.stdout.strip().splitlines()[-1])
     cases, rows = tmp_path / "case.jsonl", tmp_path / "rows.jsonl"
-    case = {"id": "apache", "context": DOCUMENT.read_text(encoding="utf-8"), "question": QUESTION}
-    cases.write_text(json.dumps({**case, "answers": ["January 2004"], "query_aware": False}) + "\n")
+    case = {"id": "gpl2", "context": DOCUMENT.read_text(encoding="utf-8"), "question": QUESTION}
+    cases.write_text(json.dumps({**case, "answers": ["June 1991"], "query_aware": False}) + "\n")
     proc = cli("eval", "--cases", cases, "--methods", ",".join(METHODS), "--max-new-tokens", 24, "--out", rows)
     assert proc.returncode == 0, proc.stderr
     evaluated = {r["method"]: r for r in map(json.loads, rows.read_text().splitlines())}
@@ -57,4 +57,4 @@ def test_the_app_the_cli_and_the_eval_give_the_same_tokens(real_model, cli, tmp_
         assert text.strip() == generated[method]["text"].strip() == evaluated[method]["prediction"].strip()
         ours = [[s["start"], s["end"], s["share"]] for s in generated[method]["sources"]]
         assert [[s["start"], s["end"], s["share"]] for s in kept["sources"]] == ours == evaluated[method]["sources"]
-    assert "2004" in generated["full"]["text"]  # the answer is right with full attention
+    assert "June 1991" in generated["full"]["text"]  # the answer is right with full attention

@@ -89,6 +89,22 @@ def test_idle_minutes_zero_never_reaps_and_starts_no_reaper_thread(monkeypatch):
         pool.close()
 
 
+# ---- the page's queue -----------------------------------------------------------------------------------------
+def test_the_page_queue_polls_no_more_often_than_every_50_ms():
+    """Gradio's free queue looks for events every millisecond, each look taking the GIL from a decoding answer:
+    the app's queue looks every 50 ms, and keeps the concurrency it was given."""
+    import gradio as gr
+
+    from studio.ui import QUEUE_POLL_S, queued
+
+    with gr.Blocks() as demo:
+        gr.Textbox()
+    queue = queued(demo, 3)._queue
+    assert QUEUE_POLL_S == 0.05
+    assert queue.sleep_when_free >= QUEUE_POLL_S and queue.progress_update_sleep_when_free >= QUEUE_POLL_S
+    assert queue.default_concurrency_limit == 3
+
+
 # ---- teaching -----------------------------------------------------------------------------------------------
 @pytest.fixture
 def teaching(tmp_path):

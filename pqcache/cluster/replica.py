@@ -241,6 +241,7 @@ class DocumentReplica:
                                     "tokens",
                                     "seconds",
                                     "first_s",
+                                    "generated",
                                     "stopped",
                                     "ended",
                                     "sources",

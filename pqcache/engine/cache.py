@@ -182,9 +182,12 @@ class PQCache(Cache):
         return obs
 
     def tally_sources(self, tally=None):
-        """Attach an AttentionTally (pqcache.engine.sources) to the full-attention layers; None detaches."""
+        """Attach an AttentionTally (pqcache.engine.sources) to the full-attention layers, giving it their document
+        tokens' values to weigh the attention with; None detaches."""
         for layer in self.pq_layers:
             layer.tally = tally
+            if tally is not None and layer.host is not None and layer.host.S >= tally.n_tokens:
+                tally.read_values(layer.layer_idx, layer.host.values(0, tally.n_tokens)[0])
         return tally
 
     def _is_mine(self, kwargs) -> bool:

@@ -83,6 +83,7 @@ class Decoded:
     tokens: list[int] = field(default_factory=list)
     stopped: bool = False  # `stop` was set before the next token
     ended: str = ""  # why: one of ENDINGS
+    generated: int = 0  # tokens the model produced, the dropped ones (a stop text, a cut repeat) included
 
 
 @torch.no_grad()
@@ -116,6 +117,7 @@ def decode_n_tokens(
             out.ended = "eos"
             break
         out.tokens.append(tid)
+        out.generated += 1
         verdict = stop_rule.check(out.tokens) if stop_rule is not None else None
         if verdict is not None:
             out.ended, keep = verdict
@@ -209,7 +211,8 @@ def generate(
         "ended": out.ended,
         "prefill_s": round(prefill_s, 4),
         "question_s": round(first_s, 4),
-        "s_per_token": round(decode_s / max(1, len(out.tokens)), 5),
+        "s_per_token": round(decode_s / max(1, decoded.generated), 5),  # each token the model produced
+        "generated": decoded.generated,
         "device_kv_bytes": mem["device_kv_bytes"],
         "host_kv_bytes": mem["host_kv_bytes"],
         "pq_bytes": mem["pq_bytes"],

@@ -134,9 +134,10 @@ class PromptBuilder:
 
         text = text or ""
         part = self.document(text)  # text.strip(), after the chat template's head for a chat model
-        shift = len(text) - len(text.lstrip()) - (len(self._parts[0]) if self.chat and text.strip() else 0)
+        head = len(self._parts[0]) if self.chat and text.strip() else 0  # where the user's text starts in part
+        shift = len(text) - len(text.lstrip()) - head
         spans = token_spans(self.tokenizer, part, add_special_tokens=not self.chat)
-        return [(lo + shift, hi + shift) if hi > lo and lo + shift >= 0 else (0, 0) for lo, hi in spans]
+        return [(max(lo, head) + shift, hi + shift) if hi > max(lo, head) else (0, 0) for lo, hi in spans]
 
     def question_ids(self, question: str) -> torch.Tensor:
         """The question part's ids (1, Q), run after a cached document."""

@@ -40,6 +40,7 @@ class Answer:
     tokens: list[int] = field(default_factory=list)
     seconds: float = 0.0
     first_s: float = 0.0  # seconds from the question to the first answer token (the question's prefill, then it)
+    generated: int = 0  # tokens the model produced: the answer's and those the stop rule dropped
     done: bool = False
     stopped: bool = False
     ended: str = ""  # why the answer ended: eos, end_of_answer, repetition, max_new_tokens or stopped
@@ -268,6 +269,7 @@ class DocumentSession:
                     self.model, logits, cache, max_new_tokens, eos, show, stop=stop, lock=self.lock, stop_rule=rule
                 )
                 answer.tokens, answer.stopped, answer.ended = decoded.tokens, decoded.stopped, decoded.ended
+                answer.generated = decoded.generated
                 answer.text = self.tokenizer.decode(answer.tokens, skip_special_tokens=True)
             answer.seconds = time.perf_counter() - t0  # the answer's time: what follows is bookkeeping
         finally:

@@ -47,13 +47,17 @@ def _row(runner: str, n_doc: int, load_s: float, ttft_s: float, decode_ms: float
 
 
 def _timed(ask) -> tuple[float, float, str, int]:
-    """ask(on_token) -> answer with .text and .tokens; -> (seconds to the first token, decode ms a token after the
-    first, text, tokens)."""
+    """ask(on_token) -> an Answer or a Generation; -> (seconds to the first token, ms a step after the first (each
+    token the model produced: the stop rule's dropped ones too), text, tokens)."""
     t0, stamps = time.perf_counter(), []
     answer = ask(lambda *_: stamps.append(time.perf_counter()))
-    n = len(answer.tokens)
-    decode_ms = 1e3 * (stamps[-1] - stamps[0]) / max(1, len(stamps) - 1) if stamps else 0.0
-    return (stamps[0] - t0 if stamps else 0.0), decode_ms, answer.text, n
+    if hasattr(answer, "first_s"):  # a session's Answer times itself
+        first, steps = answer.first_s, max(1, answer.generated)
+        decode_ms = 1e3 * (answer.seconds - first) / max(1, steps - 1)
+    else:  # generate: its decode time over the steps after the first token, as the session counts them
+        steps = max(2, answer.stats["generated"])
+        first, decode_ms = (stamps[0] - t0 if stamps else 0.0), 1e3 * answer.stats["s_per_token"] * steps / (steps - 1)
+    return first, decode_ms, answer.text, len(answer.tokens)
 
 
 def session_row(model, tokenizer, text: str) -> dict:

@@ -147,7 +147,9 @@ def _attend_in_place(layer, q, lo: int, picks, k_new, v_new, new_valid, scaling:
         if tally:  # its weights are (H, n + k): the window's slots, the new token, then the picks
             out, received = out
             slots = window.positions(top, 1)[0, :, :lo]  # (H, lo): the sinks' and ring's positions
-            layer.tally.add(torch.cat([slots, top[0]], 1), torch.cat([received[:, :lo], received[:, n:]], 1))
+            layer.tally.add(
+                torch.cat([slots, top[0]], 1), torch.cat([received[:, :lo], received[:, n:]], 1), layer.layer_idx
+            )
         return out.view(1, 1, H * G, D)
     window_scores = query_key_dots(q, window.k[:, :, :lo]) * scaling  # (1, H, G, lo)
     att = torch.cat([window_scores, scores.transpose(-1, -2), query_key_dots(q, k_new) * scaling], -1)
