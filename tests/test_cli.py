@@ -162,6 +162,25 @@ def test_bench_ttft_and_blockcache_json_shape(cli):
     assert all(0 <= r["hit_rate"] <= 1 for r in rows)
 
 
+def test_bench_app_puts_the_apps_objects_beside_generate(cli, tmp_path, monkeypatch):
+    """`bench app` on a 1K document: each runner in its own process answers the fact right and times its load, its
+    first token and its decode; the session's row has the ratios against generate and the observer's share,
+    generate's the sources' cost; the session's figures are kept for the app's how-to line."""
+    from pqcache.tools import bench_app
+
+    monkeypatch.setattr(bench_app, "figures_path", lambda: tmp_path / "bench_app.json")
+    proc = cli("bench", "app", "--seq-lens", "1024", "--runners", "session,generate", "--decode-tokens", 16, "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    session, generated = json.loads(proc.stdout)["rows"]
+    assert (session["runner"], generated["runner"]) == ("session", "generate"), (session, generated)
+    for row in (session, generated):
+        assert row["right"] and row["load_tok_s"] > 0 and row["ttft_s"] > 0 and row["decode_ms"] > 0, row
+    assert session["decode_vs_generate"] == round(session["decode_ms"] / generated["decode_ms"], 2)
+    assert 0 <= session["observe_share"] < 1 and generated["sources_cost"] > 0
+    kept = json.loads((tmp_path / "bench_app.json").read_text())
+    assert [r["runner"] for r in kept["rows"]] == ["session"]
+
+
 @pytest.mark.parametrize("method", ["oracle", "streaming", "h2o", "snapkv", "pyramidkv", "sparq", "infllm"])
 def test_generate_every_method_from_the_cli(cli, method):
     result = generate_json(cli, method, 3)

@@ -165,6 +165,48 @@ def test_block_cache_eviction_order(policy, victim):
     assert torch.equal(bc.k[0, 0, slot], k_host[0, 0, 8:12])  # with block 2's data
 
 
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_block_cache_admits_the_same_blocks_in_numpy_as_in_torch(policy):
+    """On a CPU the admission runs in numpy a (row, head) at a time, on a GPU in torch for all at once: over 40
+    retrievals with distinct counts per block, both keep the same blocks with the same use counts and the data."""
+    gen = torch.Generator().manual_seed(7)
+    B, H, bs, n_blocks = 2, 2, 4, 16
+    host = HostTier(B, H, 3, torch.float32, torch.device("cpu"))
+    k_host = torch.randn(B, H, n_blocks * bs, 3, generator=gen)
+    host.append(k_host, -k_host)
+    numpy_cache, torch_cache = (
+        BlockCache(B, H, 3, torch.float32, torch.device("cpu"), bs, 4 * bs, admit=2, policy=policy) for _ in range(2)
+    )
+    for _ in range(40):
+        rows = []
+        for _ in range(B * H):  # blocks picked 1, 2, 3, ... times: no two with the same count
+            blocks = torch.randperm(n_blocks, generator=gen)[:5]
+            rows.append(torch.cat([b * bs + torch.randperm(bs, generator=gen)[: i + 1] for i, b in enumerate(blocks)]))
+        top = torch.stack(rows).view(B, H, -1)
+        valid = torch.rand(top.shape, generator=gen) > 0.05
+        for bc in (numpy_cache, torch_cache):
+            bc.step += 1
+            bc._grow(n_blocks)
+        copied = (
+            numpy_cache._admit_rows(top, valid, host, n_blocks),
+            torch_cache._admit_tensors(top, valid, host, n_blocks),
+        )
+        assert copied[0] == copied[1]
+        for b in range(B):
+            for h in range(H):
+                kept = [
+                    {(int(blk), int(u)) for blk, u in zip(bc.slot_block[b, h], bc.uses[b, h])}
+                    for bc in (numpy_cache, torch_cache)
+                ]
+                assert kept[0] == kept[1]
+                for slot, blk in enumerate(numpy_cache.slot_block[b, h].tolist()):
+                    if blk >= 0:
+                        assert torch.equal(numpy_cache.k[b, h, slot], k_host[b, h, blk * bs : (blk + 1) * bs])
+                        assert torch.equal(numpy_cache.v[b, h, slot], -k_host[b, h, blk * bs : (blk + 1) * bs])
+                        assert int(numpy_cache.block_slot[b, h, blk]) == slot
+    assert (numpy_cache.slot_block >= 0).all()  # it filled up and evicted along the way
+
+
 def test_block_cache_default_is_off_on_a_cpu_and_on_elsewhere():
     """The default capacity (None) is 1024 tokens where the device has memory of its own and 0 on a CPU; an explicit
     capacity holds everywhere. A CPU cache at the defaults has no block cache; with a capacity set, it has one."""

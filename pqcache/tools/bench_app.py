@@ -1,6 +1,6 @@
 """`bench app`: the app's own path against `generate` on the same document and questions, side by side in one run.
 
-Per document length (essay sentences with a fact placed in the middle, asked about in plain words), each runner
+Per document length (the passkey filler with a fact placed in the middle, asked about in plain words), each runner
 loads the document, answers the fact's question (time to the first answer token) and a question whose answer runs
 long (decode ms/token):
 
@@ -38,7 +38,9 @@ def with_ratios(rows: list[dict]) -> list[dict]:
     return rows
 
 
-def bench_app(model="default", lengths=LENGTHS, runners=RUNNERS, gguf=None, threads=None, progress=None) -> list:
+def bench_app(
+    model="default", lengths=LENGTHS, runners=RUNNERS, gguf=None, threads=None, progress=None, long_tokens=None
+) -> list:
     """The rows of every length and runner, each runner in a process of its own (nothing one leaves behind, such as
     llama.cpp's threads or another runner's OpenMP team, slows the next); a runner that fails gives a row that says
     how, and the others still run."""
@@ -59,7 +61,8 @@ def bench_app(model="default", lengths=LENGTHS, runners=RUNNERS, gguf=None, thre
                     {"length": n, "runner": runner, "note": "not installed (pip install -r requirements-bench.txt)"}
                 )
                 continue
-            spec = {"model": model, "length": n, "runner": runner, "gguf": gguf, "threads": threads or available_cpus()}
+            spec = {"model": model, "length": n, "runner": runner, "gguf": gguf, "threads": threads or available_cpus(),
+                    "long_tokens": long_tokens}  # fmt: skip
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(spec, f)
             try:
@@ -120,6 +123,7 @@ def cli_app(args) -> int:
         gguf=args.gguf,
         threads=args.threads,
         progress=lambda msg: print(msg, file=sys.stderr),
+        long_tokens=args.decode_tokens,
     )
     save_figures(rows)
     print(json.dumps({"rows": rows})) if args.json else print_table(rows)

@@ -105,7 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default="default", help="ttft, blockcache: the model")
     b.add_argument("--device", default="auto")
     add_dtype_flags(b)
-    b.add_argument("--decode-tokens", type=int, default=32, help="e2e: greedy tokens decoded per run")
+    b.add_argument(
+        "--decode-tokens",
+        type=int,
+        default=None,
+        help="e2e (default 32), app (default 96): greedy tokens decoded per run",
+    )
     b.add_argument("--threads", type=int, default=None, help="e2e, kernels: threads (default: the cores)")
     b.add_argument("--n-batch", type=int, default=None, help="e2e: llama.cpp's n_batch (= n_ubatch)")
     b.add_argument("--chunk-tokens", type=int, default=None, help="e2e: prefill chunk (default: generate's)")

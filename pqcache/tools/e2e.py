@@ -225,7 +225,7 @@ def cli_e2e(args) -> int:
         runners=tuple(r.strip() for r in (args.runners or ",".join(RUNNERS)).split(",") if r.strip()),
         dtype=args.dtype,
         decode_weights=args.decode_weights,
-        decode_tokens=args.decode_tokens,
+        decode_tokens=args.decode_tokens or 32,
         repeats=args.repeats or 1,
         threads=args.threads,
         n_batch=args.n_batch or LLAMA_N_BATCH,

@@ -11,6 +11,7 @@ Shapes: B rows, H KV heads, n slots of `bs` tokens, D head_dim, k retrieved toke
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
@@ -59,11 +60,17 @@ class BlockCache:
     def admit(self, top, valid, host, n_complete_tokens: int) -> int:
         """Update use stats and admit the top blocks of this retrieval. Returns tokens copied in."""
         self.step += 1
-        B, H, _ = top.shape
         n_blocks = n_complete_tokens // self.bs  # only full blocks: a partial one would go stale
         if self.n_slots == 0 or n_blocks == 0:
             return 0
         self._grow(n_blocks)
+        if self.k.device.type == "cpu" and top.device.type == "cpu":
+            return self._admit_rows(top, valid, host, n_blocks)
+        return self._admit_tensors(top, valid, host, n_blocks)
+
+    def _admit_tensors(self, top, valid, host, n_blocks: int) -> int:
+        """admit() in torch operations on the device, every (row, head) at once."""
+        B, H, _ = top.shape
         blk = torch.where(valid, top // self.bs, torch.full_like(top, self.block_slot.shape[2] - 1))
         counts = torch.zeros((B, H, self.block_slot.shape[2]), dtype=torch.long, device=self.device)
         counts.scatter_add_(2, blk, valid.long())
@@ -76,13 +83,17 @@ class BlockCache:
         self.last_used = torch.where(used, torch.full_like(self.last_used, self.step), self.last_used)
 
         counts = counts.masked_fill(self.block_slot >= 0, 0)  # already cached
-        cand_count, cand_blk = counts[..., :n_blocks].topk(min(self.admit_max, n_blocks), dim=-1)
+        # the most picked blocks, the lower block first among equals (as the numpy path's stable sort)
+        ranked = counts[..., :n_blocks] * (n_blocks + 1) - torch.arange(n_blocks, device=self.device)
+        cand_blk = ranked.topk(min(self.admit_max, n_blocks), dim=-1).indices
+        cand_count = counts.gather(2, cand_blk)
         n = cand_blk.shape[2]
         if self.policy == "lru":
-            priority = self.last_used.float()
+            priority = self.last_used.double()
         else:  # lfu: fewest uses first, the older of equals first
-            priority = self.uses.float() * (self.step + 1) + self.last_used.float()
+            priority = self.uses.double() * (self.step + 1) + self.last_used.double()
         priority = priority.masked_fill(self.slot_block < 0, -1.0)  # empty slots go first
+        priority = priority * self.n_slots + torch.arange(self.n_slots, device=self.device)  # then the lower slot
         victims = priority.topk(n, dim=-1, largest=False).indices  # (B, H, n)
         do = cand_count > 0
         if not bool(do.any()):
@@ -108,3 +119,52 @@ class BlockCache:
             self.k[b_i, h_i, s_i] = kk.to(self.device, non_blocking=True)
             self.v[b_i, h_i, s_i] = vv.to(self.device, non_blocking=True)
         return int(b_i.numel()) * self.bs
+
+    def _admit_rows(self, top, valid, host, n_blocks: int) -> int:
+        """admit() on a CPU: the same bookkeeping in numpy, a (row, head) at a time, on views of the same tensors
+        (about thirty small torch operations cost more than a millisecond a layer there, this a tenth of it).
+        Among equal counts the lower block goes first, among equal priorities the lower slot."""
+        top_np, valid_np = top.numpy(), valid.numpy()
+        slot_block, last_used, uses, block_slot = (
+            t.numpy() for t in (self.slot_block, self.last_used, self.uses, self.block_slot)
+        )
+        copies = []  # (row, head, slot, block)
+        for b in range(top.shape[0]):
+            for h in range(top.shape[1]):
+                blk = top_np[b, h][valid_np[b, h]] // self.bs
+                counts = np.bincount(blk[blk < n_blocks], minlength=n_blocks)  # (n_blocks,) picks per block
+                slots = slot_block[b, h]
+                cached = slots >= 0
+                used = cached & (counts[np.where(cached, np.minimum(slots, n_blocks - 1), 0)] > 0)
+                used &= slots < n_blocks
+                uses[b, h] += used
+                last_used[b, h][used] = self.step
+                counts[block_slot[b, h, :n_blocks] >= 0] = 0  # already cached
+                cand = np.argsort(-counts, kind="stable")[: min(self.admit_max, n_blocks)]
+                cand = cand[counts[cand] > 0]
+                if not len(cand):
+                    continue
+                if self.policy == "lru":
+                    priority = last_used[b, h].astype(np.float64)
+                else:  # lfu: fewest uses first, the older of equals first
+                    priority = uses[b, h] * float(self.step + 1) + last_used[b, h]
+                priority = np.where(cached, priority, -1.0)  # empty slots go first
+                victims = np.argsort(priority, kind="stable")[: len(cand)]
+                old = slots[victims]
+                block_slot[b, h, old[old >= 0]] = -1
+                block_slot[b, h, cand] = victims
+                slots[victims] = cand
+                uses[b, h, victims] = 1
+                last_used[b, h, victims] = self.step
+                copies += [(b, h, int(v), int(c)) for v, c in zip(victims, cand)]
+        if not copies:
+            return 0
+        b_i, h_i, _, blocks = (torch.tensor(col) for col in zip(*copies))
+        pos = blocks[:, None] * self.bs + torch.arange(self.bs)  # (n, bs)
+        bh = (b_i * top.shape[1] + h_i)[:, None].expand(-1, self.bs).reshape(-1)
+        kk, vv = host.rows(bh, pos.reshape(-1))  # (n * bs, D) each
+        kk, vv = kk.view(-1, self.bs, self.D), vv.view(-1, self.bs, self.D)
+        for i, (b, h, slot, _) in enumerate(copies):  # a copy a block: an indexed put of three index tensors is slower
+            self.k[b, h, slot].copy_(kk[i])
+            self.v[b, h, slot].copy_(vv[i])
+        return len(copies) * self.bs
