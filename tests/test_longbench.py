@@ -138,6 +138,21 @@ def test_longbench_records_become_cases(tmp_path):
     assert len(longbench.datasets()) == 21 and set(longbench.tables()[1]) == set(longbench.datasets())
 
 
+def test_the_real_document_questions_as_longbench_records(tmp_path):
+    """`datasets realdocs --format longbench`: each question a multifieldqa_en record whose answers are every
+    alternative, read back by the LongBench reader with its prompt and QA F1."""
+    from pqcache.tools.realdocs import as_longbench, realdocs
+
+    cases = realdocs()
+    path = _jsonl(tmp_path / "realdocs.jsonl", [as_longbench(c) for c in cases])
+    loaded = evaluate.load_cases(path, "longbench")
+    assert [c["id"] for c in loaded] == [c["id"] for c in cases] and len(loaded) >= 20
+    control = next(c for c in loaded if c["id"] == "apache-control")
+    assert control["answers"] == ["50", "fifty"] and control["metric"] == "qa_f1_score"
+    assert control["context"] == next(c["context"] for c in cases if c["id"] == "apache-control")
+    assert longbench.score("multifieldqa_en", "Fifty percent.", control["answers"]) > 0
+
+
 def test_longbench_dataset_from_the_file_name_and_clear_errors(tmp_path):
     record = _record("qasper")
     del record["dataset"], record["_id"]

@@ -241,9 +241,9 @@ def cmd_datasets(args) -> int:
     from pqcache.tools import datasets
 
     if args.kind == "realdocs":  # fixed questions on real texts: no tokenizer needed
-        from pqcache.tools.realdocs import realdocs
+        from pqcache.tools.realdocs import as_longbench, realdocs
 
-        cases = realdocs()
+        cases = realdocs() if args.format == "pqcache" else [as_longbench(c) for c in realdocs()]
         datasets.write_jsonl(cases, args.out)
         print(f"wrote {len(cases)} cases to {args.out}")
         return 0

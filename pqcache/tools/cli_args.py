@@ -182,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("datasets", help="write case files offline (needle in a haystack, RULER-style)")
     d.add_argument("kind", choices=["niah", "ruler", "realdocs"], help="realdocs: 26 questions on licence texts")
     d.add_argument("--out", type=Path, required=True)
+    d.add_argument(
+        "--format", choices=["pqcache", "longbench"], default="pqcache", help="realdocs: as LongBench records too"
+    )
     d.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[2048, 4096, 8192])
     d.add_argument("--depths", type=lambda t: [float(x) for x in t.split(",")], default=[0.1, 0.5, 0.9])
     d.add_argument("--tasks", default=None, help="ruler: comma-separated tasks (default: all)")

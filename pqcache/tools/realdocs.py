@@ -37,3 +37,18 @@ def realdocs(folder: Path = FOLDER) -> list[dict]:
                 }
             )
     return cases
+
+
+def as_longbench(case: dict) -> dict:
+    """One case as a LongBench record (`eval --format longbench`): a single-document QA question, scored with
+    LongBench's QA F1 against each alternative answer (multifieldqa_en's prompt and length)."""
+    answers = [a for group in case["answers"] for a in (group if isinstance(group, list) else [group])]
+    return {
+        "_id": case["id"],
+        "dataset": "multifieldqa_en",
+        "input": case["question"],
+        "context": case["context"],
+        "answers": answers,
+        "length": len(case["context"].split()),
+        "all_classes": None,
+    }
