@@ -10,6 +10,7 @@ import time
 
 import gradio as gr
 
+from pqcache.serving.session import step_ms
 from studio.common import describe, notices
 from studio.panels import PANEL_EVERY_S
 from studio.sources import chat_quotes
@@ -99,7 +100,7 @@ def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, fe
     if on_done is not None:
         on_done(answer)
     status = f"{method}: {n} tokens in {seconds:.2f} s ({n / max(seconds, 1e-9):.1f} tokens/s){stopped}"
-    first, steps = getattr(answer, "first_s", 0.0), getattr(answer, "generated", 0) or n
-    if first and steps > 1:  # the question's prefill, then each step (dropped tokens too): what a reader waits on
-        status += f"; first token after {first:.2f} s, then {1e3 * (seconds - first) / (steps - 1):.0f} ms a token"
+    ms = step_ms(answer)
+    if ms is not None:  # the question's prefill, then each step (dropped tokens too): what a reader waits on
+        status += f"; first token after {answer.first_s:.2f} s, then {ms:.0f} ms a token"
     yield chat, status + notices(session.last_stats), *feed.figures()

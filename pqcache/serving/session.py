@@ -52,6 +52,13 @@ class Answer:
     missed: list[list] = field(default_factory=list)
 
 
+def step_ms(answer) -> float | None:
+    """An answer's ms a step after its first token (every token the model produced, the stop rule's dropped ones
+    too): an Answer, or a replica's view of one with the same fields; None without two steps."""
+    first, steps = getattr(answer, "first_s", 0.0), getattr(answer, "generated", 0) or len(answer.tokens)
+    return 1e3 * (answer.seconds - first) / (steps - 1) if first and steps > 1 else None
+
+
 @contextmanager
 def layer_hooks(model, on_layer=None, stop: threading.Event | None = None):
     """Per decoder layer of `model`, on this thread only: raise Cancelled before it runs if `stop` is set,

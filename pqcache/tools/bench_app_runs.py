@@ -11,6 +11,7 @@ import time
 from pqcache.engine.config import PQCacheConfig
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.prompt import build_prompt
+from pqcache.serving.session import step_ms
 from pqcache.serving.settings import LoadSettings, answer_observer
 from pqcache.serving.worker import DocumentWorker
 from pqcache.tools.passkey import LONG_QUESTION
@@ -53,8 +54,7 @@ def _timed(ask) -> tuple[float, float, str, int]:
     t0, stamps = time.perf_counter(), []
     answer = ask(lambda *_: stamps.append(time.perf_counter()))
     if hasattr(answer, "first_s"):  # a session's Answer times itself
-        first, steps = answer.first_s, max(1, answer.generated)
-        decode_ms = 1e3 * (answer.seconds - first) / max(1, steps - 1)
+        first, decode_ms = answer.first_s, step_ms(answer) or 0.0
     else:  # generate: its decode time over the steps after the first token, as the session counts them
         steps = max(2, answer.stats["generated"])
         first, decode_ms = (stamps[0] - t0 if stamps else 0.0), 1e3 * answer.stats["s_per_token"] * steps / (steps - 1)
