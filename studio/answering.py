@@ -31,10 +31,11 @@ def literal(text: str) -> str:
 
 
 def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, feed, on_done=None):
-    """Run session.ask on a worker thread and yield (chat, timing line, 5 panels) while it streams: the chat at
-    most every CHAT_EVERY_S seconds, one panel whose data changed (memory excepted) at most every PANEL_EVERY_S
-    seconds, all changed panels at the end. The chat's last message is the answer, with the method, its tokens,
-    why it ended and the passages it read most (its sources); on_done(answer) once it has ended."""
+    """Run session.ask on a worker thread and yield (chat, timing line, 5 panels) while it streams: the first
+    text as soon as it is there, then the chat at most every CHAT_EVERY_S seconds, one panel whose data changed
+    (memory excepted) at most every PANEL_EVERY_S seconds, all changed panels at the end. The chat's last message is
+    the answer, with the method, its tokens, why it ended and the passages it read most (its sources);
+    on_done(answer) once it has ended."""
     updates: queue.Queue = queue.Queue()
     result: dict = {}
 
@@ -68,7 +69,8 @@ def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, fe
             except queue.Empty:
                 pass
             now = time.perf_counter()
-            if done or now - last_chat < CHAT_EVERY_S:
+            first = sent is None and text is not None  # the first words go out at once, not at the next tick
+            if done or (now - last_chat < CHAT_EVERY_S and not first):
                 continue
             panels = (gr.skip(),) * 5
             if now - last_panels >= PANEL_EVERY_S:  # memory waits for the end: the answer's cache statistics

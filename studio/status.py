@@ -51,7 +51,9 @@ def loaded_line(session) -> str:
         figures = (
             f" Prefill **{info['prefill_s']:.2f} s**; PQ on layers {layers}; device KV "
             f"{info['device_kv_bytes'] / 2**20:.1f} MiB, host KV {info['host_kv_bytes'] / 2**20:.1f} MiB, "
-            f"PQ {info['pq_bytes'] / 2**10:.0f} KiB."
+            f"PQ {info['pq_bytes'] / 2**10:.0f} KiB"
+            + (f", prefill queries {info['query_bytes'] / 2**20:.1f} MiB" if info.get("query_bytes") else "")
+            + "."
         )
     return (
         f"Loaded **{session.n_tokens}** tokens of **{getattr(session, 'name', 'the document')}**, "

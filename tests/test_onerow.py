@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
-from pqcache.engine.layer import onerow
+from pqcache.engine.layer import blockcache, onerow
 
 from .conftest import greedy_generate, tiny_model
 
@@ -163,8 +163,10 @@ def test_block_cache_and_observer_keep_the_general_steps_books(arch, in_place, m
     PQLayer.attend, the same block-cache hits, misses, admissions and bytes, the same records for the panels
     (power law and recall at the sampled steps, hits per step); values copied: bit-identical, and the same
     timeline spans; values read in place: scores within float32 rounding, and no span for a copy that does not
-    happen (only the block cache's admissions are copies)."""
+    happen (only the block cache's admissions are copies). The block cache holds copies here, as on a GPU (a CPU's
+    keeps its books only: the next test)."""
     monkeypatch.setattr(onerow, "VALUES_IN_PLACE", in_place)
+    monkeypatch.setattr(blockcache, "COPIES_ON_A_CPU", True)
     model = tiny_model(arch)
     ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(11))
     cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, block_size=8, block_cache_tokens=48, **SMALL)
@@ -199,6 +201,34 @@ def test_block_cache_and_observer_keep_the_general_steps_books(arch, in_place, m
     lanes = _lanes(records)
     assert taken == 11 * n_pq and not any(lane == "copy to device" for lane, _ in lanes)  # nothing was copied
     assert all(lanes[("copy to host", layer.layer_idx)] == 1 + 11 for layer in cache.pq_layers)
+
+
+@pytest.mark.parametrize("one_row", [True, False], ids=["one-row step", "general step"])
+def test_a_cpus_block_cache_keeps_the_books_of_one_that_copies(one_row, monkeypatch):
+    """On a CPU the block cache copies nothing (both tiers are host memory): the same tokens and scores as a cache
+    that copies its blocks, the same hits, misses, admitted blocks and bytes, the same panel records; no block
+    data held (its device bytes are gone from the stats) and, in the one-row step, no "copy to device" span."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(11))
+    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, block_size=8, block_cache_tokens=48, **SMALL)
+    seq, scores, books, _, got = _observed(model, ids, cfg, one_row, monkeypatch)
+    monkeypatch.setattr(blockcache, "COPIES_ON_A_CPU", True)
+    ref_seq, ref_scores, copies, _, want = _observed(model, ids, cfg, one_row, monkeypatch)
+    assert torch.equal(seq, ref_seq) and torch.equal(scores, ref_scores)
+    assert sum(layer.counters["hits"] for layer in books.pq_layers) > 0
+    for x, y in zip(books.pq_layers, copies.pq_layers, strict=True):
+        assert x.counters == y.counters
+        assert torch.equal(x.window.blocks.slot_block, y.window.blocks.slot_block)
+        assert torch.equal(x.window.blocks.uses, y.window.blocks.uses)
+        assert x.window.blocks.k is None and y.window.blocks.k is not None
+    assert got["blocks"] == want["blocks"] and got["bytes"] == want["bytes"]
+    assert got["recall"] == want["recall"] and got["attention"] == want["attention"]
+    n_pq = len(books.pq_layers)
+    held = sum(layer.window.blocks.nbytes for layer in copies.pq_layers)
+    assert held > 0 and books.stats()["device_kv_bytes"] == copies.stats()["device_kv_bytes"] - held
+    copied = [lane for lane, _ in _lanes(got)].count("copy to device")
+    assert copied == (0 if one_row else n_pq)  # the general step still copies the picks into its buffer
+    assert [lane for lane, _ in _lanes(want)].count("copy to device") == n_pq
 
 
 @pytest.mark.parametrize("setting", ["re-rank of every candidate", "re-rank of 4k", "raw sum over the GQA group"])

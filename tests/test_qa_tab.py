@@ -176,3 +176,32 @@ def test_a_new_document_shows_its_own_memory_not_the_last_answers(tab):
     assert fresh is not session and stats_of(fresh) == fresh.cache.stats()
     session.load("w7 w8 w9 " * 40)  # the Python API's: the same session reads another document
     assert session.last_stats is None and stats_of(session) == session.cache.stats()
+
+
+def test_an_answers_first_words_are_sent_at_once_not_at_the_next_tick(monkeypatch):
+    """The chat is sent at most every CHAT_EVERY_S seconds, but the first text goes out as soon as the model has it:
+    with the tick set to a day, the first token's text reaches the page while the answer is still running."""
+    import studio.answering as answering
+    from pqcache.serving.session import Answer
+    from studio.panels import PanelFeed
+
+    monkeypatch.setattr(answering, "CHAT_EVERY_S", 86400.0)
+    release = threading.Event()
+
+    class Session:  # the first token, then it waits until the test has seen it
+        last_stats = None
+
+        def ask(self, question, method, max_new_tokens, stop, observer, on_token):
+            answer = Answer(text="Paris", tokens=[1])
+            on_token(answer)
+            assert release.wait(30), "the first words were not sent"
+            answer.done = True
+            return answer
+
+    stream = answering.stream_answer(Session(), "Where?", [], "pqcache", 8, threading.Event(), None, PanelFeed("cpu"))
+    assert next(stream)[0][-1]["content"].startswith("*pqcache is reading")
+    chat = next(stream)[0]
+    assert chat[-1]["content"].startswith("Paris") and not release.is_set()
+    release.set()
+    last = list(stream)[-1]
+    assert last[0][-1]["content"].startswith("Paris\n\n*pqcache: 1 tokens")

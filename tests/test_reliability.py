@@ -302,6 +302,23 @@ class Clock:
         return self.t
 
 
+def test_a_documents_bytes_count_the_prefill_queries_it_keeps(model):
+    """A session keeps each PQ layer's prefill queries (a question may start SnapKV, PyramidKV, H2O or InfLLM): they
+    are counted in its bytes (the pool's cap), in the reservation before the prefill and in the memory panel."""
+    from viz import figures
+
+    one = session_of(model)
+    one.load(TEXT)
+    stats, text = one.cache.stats(), model.config
+    head_dim = text.hidden_size // text.num_attention_heads
+    per_layer = one.n_tokens * text.num_attention_heads * head_dim * 4  # float32 (B=1, Hq, S, D)
+    assert stats["query_bytes"] == len(one.cache.pq_layers) * per_layer > 0
+    assert one.nbytes() == sum(stats[k] for k in ("device_kv_bytes", "host_kv_bytes", "pq_bytes", "query_bytes"))
+    assert one.estimate_bytes(one.n_tokens) >= one.nbytes()
+    assert "prefill queries" in figures.memory(stats).data[0].x
+    one.close()
+
+
 def test_pool_caps_memory_evicts_the_least_recently_used_idle_user_and_tells_them(model):
     one = session_of(model)
     one.load(TEXT)

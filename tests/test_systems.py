@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from pqcache import PQCache, PQCacheConfig
 from pqcache.engine import pq
 from pqcache.engine.errors import PQCacheConfigError
-from pqcache.engine.layer import onerow
+from pqcache.engine.layer import blockcache, onerow
 from pqcache.engine.layer.blockcache import BlockCache
 from pqcache.engine.layer.host import HostTier
 
@@ -18,7 +18,10 @@ from .conftest import greedy_generate, tiny_model
 SMALL = dict(n_init=4, kmeans_iters=5, bits=4, block_size=16, block_cache_tokens=64, block_admit=2)
 
 
-def test_instrumentation_leaves_outputs_unchanged():
+def test_instrumentation_leaves_outputs_unchanged(monkeypatch):
+    # the block cache copies its blocks, as on a GPU: each lane of the timeline then has spans (a CPU's copies
+    # nothing, and the one-row step reads the picks in place: no "copy to device" at all, tests/test_onerow.py)
+    monkeypatch.setattr(blockcache, "COPIES_ON_A_CPU", True)
     model = tiny_model("llama")
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(0))
     cfg = PQCacheConfig(token_budget=0.2, **SMALL)
@@ -233,6 +236,7 @@ def test_block_cache_serves_hits_with_the_right_data(monkeypatch):
     # without a block cache the one-row step runs: with the picks' values copied, as the general step does, so
     # that the two are bit-identical (values summed in place: tests/test_onerow.py)
     monkeypatch.setattr(onerow, "VALUES_IN_PLACE", False)
+    monkeypatch.setattr(blockcache, "COPIES_ON_A_CPU", True)  # a CPU's cache keeps its books only (test_onerow.py)
     model = tiny_model("mistral")
     ids = torch.randint(1, 96, (1, 600), generator=torch.Generator().manual_seed(3))
     cfg_on = PQCacheConfig(token_budget=0.2, **SMALL)

@@ -184,11 +184,14 @@ def memory(stats: dict | None) -> go.Figure:
         )
     names = ["device KV", "host KV", "PQ codes + centroids"]
     values = [stats.get("device_kv_bytes", 0), stats.get("host_kv_bytes", 0), stats.get("pq_bytes", 0)]
+    colors = ["#4C78A8", "#54A24B", "#F58518"]
+    if stats.get("query_bytes"):  # kept on the host so that a question can start SnapKV, PyramidKV, H2O or InfLLM
+        names, values, colors = names + ["prefill queries"], values + [stats["query_bytes"]], colors + ["#B279A2"]
     fig = go.Figure(
         go.Bar(
             x=names,
             y=[v / 2**20 for v in values],
-            marker_color=["#4C78A8", "#54A24B", "#F58518"],
+            marker_color=colors,
             text=[f"{v / 2**20:.1f} MiB" for v in values],
             textposition="auto",
         )

@@ -217,7 +217,7 @@ class PQCache(Cache):
 
     def stats(self) -> dict:
         """Bytes per tier (sliding-window layers count as device KV) and per-layer PQ build figures."""
-        total = {"device_kv_bytes": 0, "host_kv_bytes": 0, "pq_bytes": 0}
+        total = {"device_kv_bytes": 0, "host_kv_bytes": 0, "pq_bytes": 0, "query_bytes": 0}
         for layer in self.layers:
             if isinstance(layer, PQLayer):
                 for k, v in layer.memory().items():

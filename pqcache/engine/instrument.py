@@ -18,6 +18,7 @@ Records
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from contextlib import contextmanager
@@ -26,6 +27,15 @@ import torch
 
 LANES = ("device compute", "host clustering", "copy to host", "copy to device")
 RECORDS = ("events", "attention", "recall", "blocks", "selected")  # the kinds of records, each a list
+
+
+@functools.lru_cache(maxsize=64)
+def log_ranks(n: int, n_sorted: int) -> tuple[int, ...]:
+    """Up to n_sorted log-spaced ranks (1-based) of n tokens (cached: every sampled step of a layer asks for the
+    same n, or one more)."""
+    top = torch.log10(torch.tensor(float(max(n, 1))))
+    ranks = torch.unique(torch.logspace(0, top, n_sorted).long())
+    return tuple(ranks[ranks <= n].tolist())
 
 
 class Instrumentation:
@@ -105,9 +115,7 @@ class Instrumentation:
 
     def ranks(self, n: int) -> list[int]:
         """The log-spaced ranks (1-based, at most n_sorted) the power law keeps of n tokens."""
-        top = torch.log10(torch.tensor(float(max(n, 1))))
-        ranks = torch.unique(torch.logspace(0, top, self.n_sorted).long())
-        return ranks[ranks <= n].tolist()
+        return list(log_ranks(n, self.n_sorted))  # a list of its own: the records are plain data
 
     def record_attention(self, layer: int, step: int, n_tokens: int, ranks: list[int], probs: list[float]):
         """The attention probabilities at the given ranks (descending order, mean over heads) of n_tokens tokens,

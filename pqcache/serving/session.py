@@ -127,13 +127,14 @@ class DocumentSession:
     def estimate_bytes(self, n_tokens: int) -> int:
         """Bytes a prefill of n_tokens will hold (an upper bound of nbytes() after it): full-attention layers keep
         every token's K/V on the host tier, a device buffer of the budget plus the new token's slot and a block
-        cache (at most a quarter of the tokens), and PQ codes and centroids; sliding-window layers keep their
-        window."""
+        cache (at most a quarter of the tokens), PQ codes and centroids, and the prefill's queries (kept so that a
+        question can start any method); sliding-window layers keep their window."""
         text_config = self.model.config.get_text_config(decoder=True)
         layer_types, kwargs = get_layer_types_and_kwargs(text_config)
         head_dim = head_dim_of(text_config)
         n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         per_token = 2 * n_kv * head_dim * next(self.model.parameters()).element_size()
+        queries = n_tokens * text_config.num_attention_heads * head_dim * next(self.model.parameters()).element_size()
         cfg = self.config.for_head_dim(head_dim)
         full = n_tokens + cfg.budget_tokens(n_tokens) + 1 + min(cfg.block_cache_for(self.device), n_tokens // 4)
         # uint8 codes (m a token) and float32 centroids (2^bits x head_dim), and OPQ's rotation, per KV head
@@ -141,7 +142,8 @@ class DocumentSession:
         pq += n_kv * head_dim * head_dim * 4 if cfg.opq else 0
         window = [min(n_tokens, kw.get("sliding_window") or n_tokens) for kw in kwargs]
         return sum(
-            full * per_token + pq if kind == "full_attention" else w * per_token for kind, w in zip(layer_types, window)
+            full * per_token + pq + queries if kind == "full_attention" else w * per_token
+            for kind, w in zip(layer_types, window)
         )
 
     @torch.no_grad()
@@ -221,7 +223,7 @@ class DocumentSession:
         if self.cache is None:
             return 0
         stats = self.cache.stats()
-        return stats["device_kv_bytes"] + stats["host_kv_bytes"] + stats["pq_bytes"]
+        return stats["device_kv_bytes"] + stats["host_kv_bytes"] + stats["pq_bytes"] + stats["query_bytes"]
 
     def close(self):
         """Free the document cache (the session can load another document)."""

@@ -110,7 +110,11 @@ class HostTier:
 
     def _parts(self, shared, own, pos: torch.Tensor):
         """pos (n,) -> (idx, store, positions in that store) for each part of the tier that pos reaches: the
-        shared prefix of a fork (positions < S0) and this tier's own tokens."""
+        shared prefix of a fork (positions < S0) and this tier's own tokens. All of them in the prefix (an answer's
+        picks, until it outgrows its window): one part, indexed by a slice (no index tensors, a few ops fewer)."""
+        if pos.numel() and int(pos.max()) < self.S0:
+            yield slice(None), shared, pos
+            return
         old = pos < self.S0
         for part, store, offset in ((old, shared, 0), (~old, own, self.S0)):
             idx = part.nonzero().squeeze(1)

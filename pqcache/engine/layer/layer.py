@@ -223,15 +223,17 @@ class PQLayer(CacheLayerMixin):
 
     def memory(self) -> dict:
         """Bytes per tier. Device: the [sinks | window | top-k | new] buffer and block cache; PQ codes
-        and centroids. Host: every token's K/V (a fork counts the shared document too)."""
+        and centroids. Host: every token's K/V (a fork counts the shared document too) and, kept for methods that
+        start from them (keep_queries), the prefill's queries: Hq/H times the keys' bytes."""
+        q, h = self.prefill_q, self.host
+        queries = 0 if q is None else q.numel() * q.element_size()
         if not self.prefilled:
-            return {"device_kv_bytes": 0, "host_kv_bytes": 0, "pq_bytes": 0}
-        h = self.host
-        host_kv = 2 * h.B * h.H * h.S * h.D * h.dtype.itemsize
+            return {"device_kv_bytes": 0, "host_kv_bytes": 0, "pq_bytes": 0, "query_bytes": queries}
         return {
             "device_kv_bytes": self.window.nbytes,
-            "host_kv_bytes": host_kv,
+            "host_kv_bytes": 2 * h.B * h.H * h.S * h.D * h.dtype.itemsize,
             "pq_bytes": self.method.device_bytes(self.view()),
+            "query_bytes": queries,
         }
 
 

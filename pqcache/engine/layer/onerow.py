@@ -99,7 +99,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     kk, lo = top.shape[2], window.n_init + window.L
     _, hit = window.look_up(top, top_valid)  # the block cache's books (it holds copies of host values)
     in_place = VALUES_IN_PLACE and scores is not None and softcap is None and host.reads_in_place
-    with layer.span("copy to device") if not in_place or window.blocks is not None else nullcontext():
+    with layer.span("copy to device") if not in_place or window.holds_blocks else nullcontext():
         if not in_place:  # the picks into the buffer after the sinks and ring (values only when re-ranked)
             window.ensure(kk, 1)
             bh = torch.arange(H).repeat_interleave(kk)

@@ -91,7 +91,7 @@ def exact_topk_set(exact, cand, ks: list[int], k: int, mode: str) -> torch.Tenso
     """The exact top-k under the selection's rule (same candidates, GQA combine and ks): exact (B, H, G*Q, S)
     scaled scores, cand (B, S) -> (B, H, S) bool."""
     H = exact.shape[1]
-    combined = combine_rows(exact.transpose(2, 3).contiguous(), cand, mode)  # (B, H, S)
+    combined = combine_rows(exact.transpose(2, 3), cand, mode)  # (B, H, S); a view: combine_rows transposes back
     etop, evalid = topk_positions(combined, ks, k)
     in_cand = torch.gather(cand[:, None, :].expand(-1, H, -1), 2, etop)
     return torch.zeros(combined.shape, dtype=torch.bool, device=exact.device).scatter_(2, etop, evalid & in_cand)
@@ -121,6 +121,8 @@ def per_query_head_recall(exact: torch.Tensor, cand: torch.Tensor, chosen: torch
     k = min(k, int(cand.sum(1).min()))
     if k == 0:
         return torch.ones(H * G)
-    own = exact.masked_fill(~cand[:, None, None, :], float("-inf")).topk(k, dim=-1).indices  # (B, H, R, k)
+    masked = exact.masked_fill(~cand[:, None, None, :], float("-inf")).reshape(-1, S).float().cpu().numpy()
+    # each row's k largest, in no order: numpy's partition is a fifth of torch.topk's time for four rows of 8K
+    own = torch.from_numpy(np.argpartition(-masked, k - 1, axis=-1)[:, :k]).view(B, H, R, k).to(chosen.device)
     hit = chosen[:, :, None, :].expand(B, H, R, S).gather(3, own).float().mean(-1)  # (B, H, R)
     return hit.view(B, H, G, R // G).mean((0, 3)).reshape(-1)

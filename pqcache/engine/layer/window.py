@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.layer import blockcache
 from pqcache.engine.layer.blockcache import BlockCache
 from pqcache.engine.layer.host import HostTier
 
@@ -53,10 +54,10 @@ class DeviceWindow:
         self.blocks = None
         # at most a quarter of the prefill: a device tier as large as the context would defeat the purpose
         capacity = min(config.block_cache_for(self.device), S // 4 // config.block_size * config.block_size)
-        if capacity >= config.block_size:
-            self.blocks = BlockCache(
-                B, host.H, host.D, host.dtype, self.device, config.block_size, capacity, config.block_admit, policy
-            )
+        if capacity >= config.block_size:  # on a CPU its books only (blockcache.py: the tiers are the same memory)
+            copies = self.device.type != "cpu" or blockcache.COPIES_ON_A_CPU
+            self.blocks = BlockCache(B, host.H, host.D, host.dtype, self.device, config.block_size, capacity,
+                                     config.block_admit, policy, holds_values=copies)  # fmt: skip
 
     def ensure(self, k: int, q: int):
         """Grow the buffer when the top-k or the chunk outgrows it (the sinks and ring are kept)."""
@@ -95,10 +96,10 @@ class DeviceWindow:
         self.v[:, :, slots] = v[:, :, first:].to(self.device, non_blocking=True)
 
     def fetch(self, top: torch.Tensor, valid: torch.Tensor, span, keys: bool = True) -> dict:
-        """K/V of host positions top (B, H, k) into the top-k part of the buffer: block-cache hits
-        from the device, misses from the host. keys=False: values only (the selection scored the picks
-        exactly; their key slots keep stale data the attention does not read). Returns hits, misses and
-        bytes moved to the device."""
+        """K/V of host positions top (B, H, k) into the top-k part of the buffer: block-cache hits from the
+        device (where the cache holds copies), the others from the host. keys=False: values only (the selection
+        scored the picks exactly; their key slots keep stale data the attention does not read). Returns hits,
+        misses and bytes moved to the device."""
         host = self.host
         B, H, k = top.shape
         D, N, lo = host.D, self.k.shape[2], self.n_init + self.L
@@ -108,8 +109,9 @@ class DeviceWindow:
         )  # rows of k.view(-1, D)
         out_k, out_v = self.k.view(-1, D), self.v.view(-1, D)
         slot, hit = self.look_up(top, valid)
-        miss_rows = (~hit).reshape(-1).nonzero().squeeze(1)
-        hit_rows = hit.reshape(-1).nonzero().squeeze(1)
+        served = hit if self.holds_blocks else torch.zeros_like(hit)  # a cache of books only serves no data
+        miss_rows = (~served).reshape(-1).nonzero().squeeze(1)
+        hit_rows = served.reshape(-1).nonzero().squeeze(1)
         if hit_rows.numel():
             hk, hv = self.blocks.read(slot, top, hit_rows, keys)
             if keys:
@@ -124,6 +126,11 @@ class DeviceWindow:
             out_v.index_copy_(0, dest[miss_rows], mv.to(self.device, non_blocking=True))
             admitted = self.admit(top, valid)
         return self.moved(hit, valid, keys, admitted)
+
+    @property
+    def holds_blocks(self) -> bool:
+        """Whether a block cache holds copies of its blocks (hits are read there)."""
+        return self.blocks is not None and self.blocks.holds_values
 
     def look_up(self, top: torch.Tensor, valid: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """top, valid (B, H, k) -> the block-cache slot of each position (None without a block cache) and
