@@ -105,4 +105,6 @@ def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, fe
     ms = step_ms(answer)
     if ms is not None:  # the question's prefill, then each step (dropped tokens too): what a reader waits on
         status += f"; first token after {answer.first_s:.2f} s, then {ms:.0f} ms a token"
+    if getattr(answer, "reread_s", 0.0):  # the load kept no queries, which this method starts from
+        status += f"; {method} read the document again for its prefill queries first ({answer.reread_s:.1f} s)"
     yield chat, status + notices(session.last_stats), *feed.figures()

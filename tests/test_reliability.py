@@ -302,21 +302,32 @@ class Clock:
         return self.t
 
 
-def test_a_documents_bytes_count_the_prefill_queries_it_keeps(model):
-    """A session keeps each PQ layer's prefill queries (a question may start SnapKV, PyramidKV, H2O or InfLLM): they
-    are counted in its bytes (the pool's cap), in the reservation before the prefill and in the memory panel."""
+def test_prefill_queries_are_kept_only_for_a_method_that_starts_from_them(model):
+    """A document loaded for PQCache keeps no prefill queries; a SnapKV question reads it once more for them (the
+    same queries and the same answer as a document loaded for SnapKV, which keeps them), and from then on they are
+    counted in its bytes (the pool's cap) and in the memory panel; the next such question reads nothing again."""
     from viz import figures
 
-    one = session_of(model)
+    one, snap = session_of(model), session_of(model, method="snapkv")
     one.load(TEXT)
+    snap.load(TEXT)
+    assert one.cache.stats()["query_bytes"] == 0 and one.nbytes() < snap.nbytes()
+    assert one.estimate_bytes(one.n_tokens) < snap.estimate_bytes(snap.n_tokens)
+    assert snap.estimate_bytes(snap.n_tokens) >= snap.nbytes()
+    first = one.ask("what is w3", method="snapkv", max_new_tokens=4)
+    assert first.reread_s > 0.0
+    for mine, theirs in zip(one.cache.pq_layers, snap.cache.pq_layers, strict=True):
+        assert torch.equal(mine.prefill_q, theirs.prefill_q)
+    assert first.tokens == snap.ask("what is w3", max_new_tokens=4).tokens
     stats, text = one.cache.stats(), model.config
     head_dim = text.hidden_size // text.num_attention_heads
     per_layer = one.n_tokens * text.num_attention_heads * head_dim * 4  # float32 (B=1, Hq, S, D)
     assert stats["query_bytes"] == len(one.cache.pq_layers) * per_layer > 0
     assert one.nbytes() == sum(stats[k] for k in ("device_kv_bytes", "host_kv_bytes", "pq_bytes", "query_bytes"))
-    assert one.estimate_bytes(one.n_tokens) >= one.nbytes()
     assert "prefill queries" in figures.memory(stats).data[0].x
+    assert one.ask("what is w3", method="h2o", max_new_tokens=2).reread_s == 0.0
     one.close()
+    snap.close()
 
 
 def test_pool_caps_memory_evicts_the_least_recently_used_idle_user_and_tells_them(model):

@@ -247,6 +247,7 @@ class DocumentReplica:
                                     "sources",
                                     "attended",
                                     "missed",
+                                    "reread_s",
                                 )
                             },
                             "last_stats": session.last_stats,

@@ -14,20 +14,20 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-from transformers.cache_utils import get_layer_types_and_kwargs
 
-from pqcache.engine.cache import PQCache, decoder_layers
+from pqcache.engine.cache import PQCache
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled, DocumentTooLongError, InputError, NoDocumentError
 from pqcache.engine.instrument import Instrumentation
-from pqcache.engine.shapes import head_dim_of
+from pqcache.engine.methods import make_method
 from pqcache.engine.sources import AttentionTally
 from pqcache.serving.documents import check_text
+from pqcache.serving.footprint import document_bytes, read_queries
 from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
+from pqcache.serving.hooks import layer_hooks
 from pqcache.serving.prompt import PromptBuilder
 from pqcache.serving.sources import highlights, passages
 
@@ -50,6 +50,9 @@ class Answer:
     attended: list[list] = field(default_factory=list)
     # [start, end] of tokens in the exact top-k that the selection did not attend to (sampled steps, observed)
     missed: list[list] = field(default_factory=list)
+    # seconds spent reading the document again for the prefill's queries, which the method starts from and the
+    # load did not keep (DocumentSession.ensure_queries); 0.0 when none
+    reread_s: float = 0.0
 
 
 def step_ms(answer) -> float | None:
@@ -57,32 +60,6 @@ def step_ms(answer) -> float | None:
     too): an Answer, or a replica's view of one with the same fields; None without two steps."""
     first, steps = getattr(answer, "first_s", 0.0), getattr(answer, "generated", 0) or len(answer.tokens)
     return 1e3 * (answer.seconds - first) / (steps - 1) if first and steps > 1 else None
-
-
-@contextmanager
-def layer_hooks(model, on_layer=None, stop: threading.Event | None = None):
-    """Per decoder layer of `model`, on this thread only: raise Cancelled before it runs if `stop` is set,
-    call on_layer(idx) after it ran."""
-    me, hooks = threading.get_ident(), []
-
-    def pre(module, args):
-        if stop is not None and stop.is_set() and threading.get_ident() == me:
-            raise Cancelled("stopped")
-
-    for idx, module in decoder_layers(model):
-        if stop is not None:
-            hooks.append(module.register_forward_pre_hook(pre))
-        if on_layer is not None:
-            hooks.append(
-                module.register_forward_hook(
-                    lambda m, a, o, idx=idx: on_layer(idx) if threading.get_ident() == me else None
-                )
-            )
-    try:
-        yield
-    finally:
-        for h in hooks:
-            h.remove()
 
 
 def truncate_middle(ids: torch.Tensor, max_tokens: int) -> torch.Tensor:
@@ -100,7 +77,10 @@ class DocumentSession:
         method: str = "pqcache",
         max_tokens: int | None = None,
     ):
-        """max_tokens: the longest document accepted (default: what the model reads, less ANSWER_ROOM)."""
+        """max_tokens: the longest document accepted (default: what the model reads, less ANSWER_ROOM). The load keeps
+        the prefill's queries only for a method that starts from them (SnapKV, PyramidKV, H2O, InfLLM: 4x the keys'
+        bytes for the bundled model); a question with such a method on a document loaded without them reads the
+        document once more for them (ensure_queries)."""
         self.model, self.tokenizer = model, tokenizer
         self.prompt = PromptBuilder(tokenizer)  # the document part is cached, each question runs after it
         self.max_tokens = max_tokens
@@ -125,26 +105,8 @@ class DocumentSession:
         return min(filter(None, [limit, self.max_tokens]), default=None)
 
     def estimate_bytes(self, n_tokens: int) -> int:
-        """Bytes a prefill of n_tokens will hold (an upper bound of nbytes() after it): full-attention layers keep
-        every token's K/V on the host tier, a device buffer of the budget plus the new token's slot and a block
-        cache (at most a quarter of the tokens), PQ codes and centroids, and the prefill's queries (kept so that a
-        question can start any method); sliding-window layers keep their window."""
-        text_config = self.model.config.get_text_config(decoder=True)
-        layer_types, kwargs = get_layer_types_and_kwargs(text_config)
-        head_dim = head_dim_of(text_config)
-        n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        per_token = 2 * n_kv * head_dim * next(self.model.parameters()).element_size()
-        queries = n_tokens * text_config.num_attention_heads * head_dim * next(self.model.parameters()).element_size()
-        cfg = self.config.for_head_dim(head_dim)
-        full = n_tokens + cfg.budget_tokens(n_tokens) + 1 + min(cfg.block_cache_for(self.device), n_tokens // 4)
-        # uint8 codes (m a token) and float32 centroids (2^bits x head_dim), and OPQ's rotation, per KV head
-        pq = n_kv * (cfg.m * n_tokens + (1 << cfg.bits_for(n_tokens, head_dim)) * head_dim * 4)
-        pq += n_kv * head_dim * head_dim * 4 if cfg.opq else 0
-        window = [min(n_tokens, kw.get("sliding_window") or n_tokens) for kw in kwargs]
-        return sum(
-            full * per_token + pq + queries if kind == "full_attention" else w * per_token
-            for kind, w in zip(layer_types, window)
-        )
+        """Bytes a prefill of n_tokens will hold: an upper bound of nbytes() after it (footprint.py)."""
+        return document_bytes(self.model, self.config, self.method, n_tokens, self.device)
 
     @torch.no_grad()
     def load(
@@ -169,7 +131,7 @@ class DocumentSession:
                     limit,
                 )
             ids = truncate_middle(ids, limit)
-        cache = PQCache(self.model, self.config, method=self.method, keep_queries=True)  # checks config vs model
+        cache = PQCache(self.model, self.config, method=self.method)  # checks config vs model
         try:
             if reserve is not None:  # may free the previous document of this session, or refuse
                 reserve(self.estimate_bytes(int(ids.shape[1])))
@@ -207,6 +169,17 @@ class DocumentSession:
         self.doc_text, self._spans = text, None
         self.spans()  # each position's characters, for the answers' sources (a second tokenization, with offsets)
         return {"tokens": self.n_tokens, "document_tokens": n_doc, "prefill_s": self.prefill_s, **cache.stats()}
+
+    def ensure_queries(self, method, stop: threading.Event | None = None) -> float:
+        """Give the loaded document its prefill queries if `method` starts from them and the load kept none
+        (footprint.read_queries). Returns the seconds it took (0.0: nothing to do)."""
+        layers = self.cache.pq_layers
+        if not make_method(method).needs_prefill_queries or all(layer.prefill_q is not None for layer in layers):
+            return 0.0
+        t0 = time.perf_counter()
+        with self.lock, layer_hooks(self.model, None, stop):
+            read_queries(self.model, self.config, torch.tensor([self.doc_ids], device=self.device), layers)
+        return time.perf_counter() - t0
 
     def spans(self) -> list[tuple[int, int]]:
         """Each cached document position's character range in the document's text ((0, 0): no text)."""
@@ -249,12 +222,13 @@ class DocumentSession:
             raise InputError("the question is empty")
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        reread_s = self.ensure_queries(method or self.method, stop)
         cache = self.cache.fork(method or self.method)
         if observer is not None:
             cache.instrument(observer)
         tally = cache.tally_sources(AttentionTally(self.n_tokens))
         q_ids = self.prompt.question_ids(question)
-        answer = Answer()
+        answer = Answer(reread_s=reread_s)
         t0 = time.perf_counter()
 
         def show(tokens):

@@ -1,0 +1,49 @@
+"""What a document's cache holds beyond the engine's own figures: its bytes before the prefill (the session pool
+reserves them), and the prefill queries read on demand for a method that starts from them."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+from pqcache.engine.cache import PQCache
+from pqcache.engine.methods import make_method
+from pqcache.engine.shapes import head_dim_of
+from pqcache.serving.generate import prefill
+
+
+def document_bytes(model, config, method: str, n_tokens: int, device) -> int:
+    """Bytes a prefill of n_tokens will hold (an upper bound of DocumentSession.nbytes() after it): full-attention
+    layers keep every token's K/V on the host tier, a device buffer of the budget plus the new token's slot and a
+    block cache (at most a quarter of the tokens), PQ codes and centroids, and (for a method that starts from them)
+    the prefill's queries; sliding-window layers keep their window."""
+    text_config = model.config.get_text_config(decoder=True)
+    layer_types, kwargs = get_layer_types_and_kwargs(text_config)
+    head_dim = head_dim_of(text_config)
+    n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    per_token = 2 * n_kv * head_dim * next(model.parameters()).element_size()
+    queries = n_tokens * text_config.num_attention_heads * head_dim * next(model.parameters()).element_size()
+    queries *= make_method(method).needs_prefill_queries  # kept at load only for such a method
+    cfg = config.for_head_dim(head_dim)
+    full = n_tokens + cfg.budget_tokens(n_tokens) + 1 + min(cfg.block_cache_for(device), n_tokens // 4)
+    # uint8 codes (m a token) and float32 centroids (2^bits x head_dim), and OPQ's rotation, per KV head
+    pq = n_kv * (cfg.m * n_tokens + (1 << cfg.bits_for(n_tokens, head_dim)) * head_dim * 4)
+    pq += n_kv * head_dim * head_dim * 4 if cfg.opq else 0
+    window = [min(n_tokens, kw.get("sliding_window") or n_tokens) for kw in kwargs]
+    return sum(
+        full * per_token + pq + queries if kind == "full_attention" else w * per_token
+        for kind, w in zip(layer_types, window)
+    )
+
+
+@torch.no_grad()
+def read_queries(model, config, ids: torch.Tensor, layers) -> None:
+    """The document ids (1, S) read once more by a full-attention cache that keeps its prefill queries (no PQ build;
+    the same chunks as the load, so the same queries as a load that kept them), handed to the loaded PQ `layers`."""
+    reader = PQCache(model, config, method="full", keep_queries=True)
+    try:
+        prefill(model, ids, reader)
+        for mine, theirs in zip(layers, reader.pq_layers, strict=True):
+            mine.prefill_q, mine.keep_queries = theirs.prefill_q, True
+    finally:
+        reader.close()
