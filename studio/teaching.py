@@ -9,7 +9,7 @@ import os
 
 import gradio as gr
 
-from pqcache import Instrumentation, PQCacheConfig
+from pqcache import METHODS, Instrumentation, PQCacheConfig
 from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS
 from pqcache.serving.prompt import PromptBuilder
 from pqcache.serving.session import DocumentSession
@@ -59,7 +59,9 @@ class TeachingTab:
                     pq_timeout_s=studio.pq_timeout_s,
                     block_cache_tokens=DEVICE_BLOCK_CACHE_TOKENS,  # the walkthrough's fetch shows the GPU design
                 )
-                session = DocumentSession(studio.model, studio.tokenizer, config, method="pqcache")
+                # the prefill's queries kept when a chosen method starts from them: no second read of the document
+                keep = any(METHODS[m].needs_prefill_queries for m in methods if m in METHODS)
+                session = DocumentSession(studio.model, studio.tokenizer, config, method="pqcache", keep_queries=keep)
                 session.load(
                     text,
                     progress=lambda f, msg: progress(0.5 * f, desc=msg),

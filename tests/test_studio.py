@@ -142,6 +142,21 @@ def test_teaching_runs_side_by_side_with_the_right_answer(teaching):
     assert any(kind and "the fact" in kind for _, kind in spotlight)
 
 
+def test_teaching_keeps_the_prefill_queries_only_when_a_chosen_method_starts_from_them(teaching, monkeypatch):
+    """SnapKV among the methods: the one prefill keeps the queries (no second read of the document); PQCache and
+    StreamingLLM alone: none kept."""
+    import pqcache.serving.session as session_module
+
+    reads = []
+    real = session_module.read_queries
+    monkeypatch.setattr(session_module, "read_queries", lambda *a: reads.append(1) or real(*a))
+    run(teaching, methods=("pqcache", "snapkv"))
+    session = teaching.pool.session("teacher", "teaching")
+    assert reads == [] and session.cache.stats()["query_bytes"] > 0
+    run(teaching)
+    assert teaching.pool.session("teacher", "teaching").cache.stats()["query_bytes"] == 0
+
+
 def test_teaching_spotlight_shows_what_each_method_attended_within_the_budget(teaching):
     state, _, rows = run(teaching)
     attended = {r[0]: r[3] for r in rows}

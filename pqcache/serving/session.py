@@ -76,16 +76,19 @@ class DocumentSession:
         config: PQCacheConfig | None = None,
         method: str = "pqcache",
         max_tokens: int | None = None,
+        keep_queries: bool = False,
     ):
         """max_tokens: the longest document accepted (default: what the model reads, less ANSWER_ROOM). The load keeps
         the prefill's queries only for a method that starts from them (SnapKV, PyramidKV, H2O, InfLLM: 4x the keys'
         bytes for the bundled model); a question with such a method on a document loaded without them reads the
-        document once more for them (ensure_queries)."""
+        document once more for them (ensure_queries). keep_queries: keep them at load whatever the method (a caller
+        that will ask with several methods, as the Teaching tab does)."""
         self.model, self.tokenizer = model, tokenizer
         self.prompt = PromptBuilder(tokenizer)  # the document part is cached, each question runs after it
         self.max_tokens = max_tokens
         self.config = config or PQCacheConfig()
         self.method = method
+        self.keep_queries = keep_queries
         self.cache: PQCache | None = None
         self.n_tokens = 0
         self.prefill_s = 0.0
@@ -106,7 +109,7 @@ class DocumentSession:
 
     def estimate_bytes(self, n_tokens: int) -> int:
         """Bytes a prefill of n_tokens will hold: an upper bound of nbytes() after it (footprint.py)."""
-        return document_bytes(self.model, self.config, self.method, n_tokens, self.device)
+        return document_bytes(self.model, self.config, self.method, n_tokens, self.device, self.keep_queries)
 
     @torch.no_grad()
     def load(
@@ -131,7 +134,7 @@ class DocumentSession:
                     limit,
                 )
             ids = truncate_middle(ids, limit)
-        cache = PQCache(self.model, self.config, method=self.method)  # checks config vs model
+        cache = PQCache(self.model, self.config, method=self.method, keep_queries=self.keep_queries)  # checks config
         try:
             if reserve is not None:  # may free the previous document of this session, or refuse
                 reserve(self.estimate_bytes(int(ids.shape[1])))
