@@ -7,6 +7,7 @@ import torch
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 from pqcache.engine.cache import PQCache
+from pqcache.engine.layer.blockcache import holds_copies
 from pqcache.engine.methods import make_method
 from pqcache.engine.shapes import head_dim_of
 from pqcache.serving.generate import prefill
@@ -15,8 +16,8 @@ from pqcache.serving.generate import prefill
 def document_bytes(model, config, method: str, n_tokens: int, device, keep_queries: bool = False) -> int:
     """Bytes a prefill of n_tokens will hold (an upper bound of DocumentSession.nbytes() after it): full-attention
     layers keep every token's K/V on the host tier, a device buffer of the budget plus the new token's slot and a
-    block cache (at most a quarter of the tokens), PQ codes and centroids, and (kept, or for a method that starts
-    from them) the prefill's queries; sliding-window layers keep their window."""
+    block cache (at most a quarter of the tokens; where it holds copies), PQ codes and centroids, and (kept, or for
+    a method that starts from them) the prefill's queries; sliding-window layers keep their window."""
     text_config = model.config.get_text_config(decoder=True)
     layer_types, kwargs = get_layer_types_and_kwargs(text_config)
     head_dim = head_dim_of(text_config)
@@ -25,7 +26,8 @@ def document_bytes(model, config, method: str, n_tokens: int, device, keep_queri
     queries = n_tokens * text_config.num_attention_heads * head_dim * next(model.parameters()).element_size()
     queries *= keep_queries or make_method(method).needs_prefill_queries  # kept at load only then
     cfg = config.for_head_dim(head_dim)
-    full = n_tokens + cfg.budget_tokens(n_tokens) + 1 + min(cfg.block_cache_for(device), n_tokens // 4)
+    blocks = min(cfg.block_cache_for(device), n_tokens // 4) if holds_copies(device) else 0  # none held on a CPU
+    full = n_tokens + cfg.budget_tokens(n_tokens) + 1 + blocks
     # uint8 codes (m a token) and float32 centroids (2^bits x head_dim), and OPQ's rotation, per KV head
     pq = n_kv * (cfg.m * n_tokens + (1 << cfg.bits_for(n_tokens, head_dim)) * head_dim * 4)
     pq += n_kv * head_dim * head_dim * 4 if cfg.opq else 0

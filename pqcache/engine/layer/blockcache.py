@@ -23,6 +23,11 @@ import torch
 COPIES_ON_A_CPU = False  # a CPU's block cache holds copies of its blocks too (the tests switch it on)
 
 
+def holds_copies(device) -> bool:
+    """Whether a block cache on `device` (a torch.device or its type) holds copies of its blocks: not on a CPU."""
+    return getattr(device, "type", device) != "cpu" or COPIES_ON_A_CPU
+
+
 class BlockCache:
     def __init__(
         self,

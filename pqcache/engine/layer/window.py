@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from pqcache.engine.config import PQCacheConfig
-from pqcache.engine.layer import blockcache
-from pqcache.engine.layer.blockcache import BlockCache
+from pqcache.engine.layer.blockcache import BlockCache, holds_copies
 from pqcache.engine.layer.host import HostTier
 
 
@@ -55,9 +54,8 @@ class DeviceWindow:
         # at most a quarter of the prefill: a device tier as large as the context would defeat the purpose
         capacity = min(config.block_cache_for(self.device), S // 4 // config.block_size * config.block_size)
         if capacity >= config.block_size:  # on a CPU its books only (blockcache.py: the tiers are the same memory)
-            copies = self.device.type != "cpu" or blockcache.COPIES_ON_A_CPU
             self.blocks = BlockCache(B, host.H, host.D, host.dtype, self.device, config.block_size, capacity,
-                                     config.block_admit, policy, holds_values=copies)  # fmt: skip
+                                     config.block_admit, policy, holds_values=holds_copies(self.device))  # fmt: skip
 
     def ensure(self, k: int, q: int):
         """Grow the buffer when the top-k or the chunk outgrows it (the sinks and ring are kept)."""
