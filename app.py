@@ -30,9 +30,10 @@ for var in ("NO_PROXY", "no_proxy"):  # the browser and the client talk to local
     os.environ[var] = ",".join(filter(None, [os.environ.get(var, ""), "localhost", "127.0.0.1"]))
 
 from pqcache import load_model  # noqa: E402
+from pqcache.cli.args import add_dtype_flags  # noqa: E402
 from pqcache.serving.documents import MAX_DOCUMENT_BYTES  # noqa: E402
 from pqcache.serving.pool import SessionPool, limit_malloc_arenas  # noqa: E402
-from pqcache.tools.cli_args import add_dtype_flags  # noqa: E402
+from pqcache.serving.settings import MAX_QUESTION_CHARS  # noqa: E402
 from studio import Studio, build_ui  # noqa: E402
 from studio.ui import queued  # noqa: E402
 
@@ -58,6 +59,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="longest document accepted (default: what the model reads); longer ones are refused or cut",
+    )
+    p.add_argument(
+        "--max-question-chars",
+        type=int,
+        default=MAX_QUESTION_CHARS,
+        help="longest question accepted, in characters (0: any length); a long passage belongs in the document",
     )
     p.add_argument(
         "--pq-timeout",
@@ -122,6 +129,7 @@ def main(argv: list[str] | None = None):
         pq_timeout_s=args.pq_timeout,
         concurrency=concurrency,
         max_document_tokens=args.max_document_tokens,
+        max_question_chars=args.max_question_chars or None,
         documents=documents,
     )
     idle = f"idle caches freed after {args.idle_minutes:g} min" if pool.idle_s else "idle caches kept"

@@ -1,5 +1,5 @@
 import sys
 
-from pqcache.tools.cli import main
+from pqcache.cli.main import main
 
 sys.exit(main())

@@ -16,8 +16,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pqcache import PQCache, PQCacheConfig, load_model  # noqa: E402
-from pqcache.tools import bench  # noqa: E402
-from pqcache.tools.passkey import passkey_prompt  # noqa: E402
+from pqcache.bench import attention as bench  # noqa: E402
+from pqcache.eval.passkey import passkey_prompt  # noqa: E402
 
 
 def check_exact(device):

@@ -7,13 +7,13 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from viz import figures  # noqa: E402
+from viz import studies  # noqa: E402
 
 
 def main():
     kind, rows_path, out = sys.argv[1], sys.argv[2], sys.argv[3]
     rows = json.loads(Path(rows_path).read_text())["rows"]
-    fig = {"recall": figures.recall_grid}[kind](rows)
+    fig = {"recall": studies.recall_grid}[kind](rows)
     fig.update_layout(width=900, height=450)
     from playwright.sync_api import sync_playwright
 

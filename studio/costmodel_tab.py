@@ -1,4 +1,4 @@
-"""Cost model: the analytic estimate of pqcache.tools.costmodel for a model, a GPU and a host link, recomputed on
+"""Cost model: the analytic estimate of pqcache.engine.costmodel for a model, a GPU and a host link, recomputed on
 every change, with a verdict per memory row (weights + KV against the GPU's memory)."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import gradio as gr
 
 from pqcache import InputError, PQCacheConfig, PQCacheConfigError
+from pqcache.engine import costmodel
 from pqcache.serving.settings import number
-from pqcache.tools import costmodel
-from viz import figures
+from viz import studies
 
 # model, context, batch, gpu, link, budget (the engine's default)
 DEFAULT = ("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", PQCacheConfig.token_budget)
@@ -68,11 +68,11 @@ def cost(model, context, batch, gpu, link, budget):
         ["prefill (s)", f"{e['prefill_s']:.2f}", ""],
         ["K-Means iterations hidden behind prefill (T_max)", str(e["t_max"]), ""],
     ]
-    return rows, figures.cost_curves(costmodel.curve(model, batch, gpu, link, config), context)
+    return rows, studies.cost_curves(costmodel.curve(model, batch, gpu, link, config), context)
 
 
 def intro() -> str:
-    """The cost model's own description (pqcache/tools/costmodel.py), said once."""
+    """The cost model's own description (pqcache/engine/costmodel.py), said once."""
     first, formulas, rest = costmodel.__doc__.strip().split("\n\n")[:3]
     first = first.replace("A cost MODEL (not a measurement) of ", "").replace("\n", " ")
     return f"**A model, not a measurement**: the cost of {first}\n\n```\n{formulas}\n```\n\n{rest}"

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import gradio as gr
 
-from pqcache.serving.settings import answer_observer
+from pqcache import InputError
+from pqcache.serving.settings import answer_observer, check_question
 from studio.answering import stream_answer
-from studio.common import user_of
+from studio.common import describe, user_of
 from studio.panels import PanelFeed
 from studio.qa_load import WAIT_S, LoadHandlers
 from studio.sources import choices as source_choices
@@ -50,10 +51,17 @@ class QATab(LoadHandlers):
         (emptied by the first update: the question moves into the chat) and, with the answer, its sources to click."""
         box, user = "", user_of(request)
         self.answers.pop(user, None)
+        sources = gr.update(choices=[], value=None, visible=False)  # the last answer's go with it, whatever follows
+        try:
+            check_question(question or "", self.studio.max_question_chars)
+        except InputError as exc:  # the question stays in its box, to be shortened
+            yield list(chat or []), f"**Error:** {describe(exc)}", *(gr.skip(),) * 5, gr.skip(), sources
+            return
         for out in self._ask(question, chat, method, max_new_tokens, layer, user):
             kept = self.answers.pop(user, None)  # set as the answer ended, right before its last update
             if kept is None:
-                yield *out, box, gr.skip()
+                yield *out, box, sources
+                sources = gr.skip()
             else:
                 self.answers[user] = kept
                 labels = source_choices(kept[1].get("sources") or [])

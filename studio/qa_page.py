@@ -8,6 +8,7 @@ import os
 
 import gradio as gr
 
+from pqcache.serving.documents import SUPPORTED_TYPES
 from pqcache.serving.settings import ENCODINGS, TOO_LONG, LoadSettings
 from studio.common import ASSETS
 from studio.panels import WINDOWS, placeholders
@@ -28,7 +29,7 @@ def how_to() -> str:
     (none otherwise: a constant would be wrong on the next machine)."""
     import json
 
-    from pqcache.tools.bench_app import figures_path
+    from pqcache.serving.measured import figures_path
 
     try:
         rows = json.loads(figures_path().read_text())["rows"]
@@ -77,7 +78,9 @@ def build_qa_tab(tab: QATab, methods: list[str]):
     with gr.Row():
         with gr.Column(scale=2):
             sample = gr.Button(f"Try a sample ({SAMPLE}, about 1,000 tokens)", elem_id="sample")
-            file = gr.File(label="Document (.txt, .md, .pdf)", type="filepath", height=120)
+            # the types the app reads (pqcache/serving/documents.py: .txt, .md, .pdf, and other files of text)
+            file = gr.File(label="Document (.txt, .md, .pdf or other text)", type="filepath", height=120,
+                           file_types=[*SUPPORTED_TYPES, "text"])  # fmt: skip
             pasted = gr.Textbox(label="...or paste text", lines=3, max_lines=8, elem_id="pasted")
             gr.Markdown(RULE, elem_id="source-rule")
             with gr.Accordion("Settings", open=False, elem_id="settings"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pqcache.serving.pool import SessionPool
+from pqcache.serving.settings import MAX_QUESTION_CHARS
 from pqcache.serving.worker import DocumentWorker
 
 
@@ -16,6 +17,7 @@ class Studio:
     pq_timeout_s: float | None = 120.0  # a K-Means build slower than this falls back to exact attention
     concurrency: int = 2  # requests using the model at once; the rest queue
     max_document_tokens: int | None = None  # None: what the model reads
+    max_question_chars: int | None = MAX_QUESTION_CHARS  # longer questions are refused (None: any length)
     # where the Q&A tab's documents live: None builds the in-process worker around model and pool; a Ray
     # cluster's client (pqcache.cluster) has the same calls
     documents: object = None

@@ -106,6 +106,9 @@ class StatusBook:
         parts = [said] if said else []
         if load is not None:
             parts.append(load.line())
+            if session is not None and session.cache is not None:  # replaced only once its successor is ready
+                name = getattr(session, "name", "the document")
+                parts.append(f"A question now waits for it; if it stops or fails, **{name}** stays active.")
         if freed:
             parts.append(f"**Notice:** {freed}")
         if session is not None and session.cache is not None and load is None:

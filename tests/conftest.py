@@ -105,9 +105,9 @@ def cli(real_model, monkeypatch, capsys):
     loads anything else as usual."""
     import subprocess
 
+    from pqcache.cli.main import main
     from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
     from pqcache.serving import loading
-    from pqcache.tools.cli import main
 
     original = loading.load_model
 
@@ -130,7 +130,7 @@ def cli(real_model, monkeypatch, capsys):
 
 def launch_app(*flags):
     """`python app.py` launched as a user launches it, on a free localhost port; yields its URL."""
-    from pqcache.tools.app_process import running_app
+    from pqcache.bench.app_process import running_app
 
     with running_app(*flags) as (url, _):
         yield url

@@ -8,8 +8,8 @@ import pytest
 from gradio_client import Client, handle_file
 from gradio_client.utils import Status
 
+from pqcache.eval.passkey import LONG_QUESTION, QUESTION, passkey_context
 from pqcache.serving.settings import LoadSettings
-from pqcache.tools.passkey import LONG_QUESTION, QUESTION, passkey_context
 
 from .test_documents import BAD_FILES
 
@@ -43,8 +43,16 @@ def client(small_app_url):
 
 @pytest.mark.parametrize("name,data,error,message", BAD_FILES, ids=[b[0] for b in BAD_FILES])
 def test_bad_files_get_a_message(client, tmp_path, name, data, error, message):
+    """Each bad file gets its message on the status line; a type the upload widget does not take (a .docx, a file
+    without an extension) is refused by the widget itself, before the app sees it."""
+    from gradio_client.exceptions import AppError
+
     path = tmp_path / name
     path.write_bytes(data)
+    if not name.lower().endswith((".txt", ".md", ".pdf")):
+        with pytest.raises(AppError, match=r"Invalid file type\. Please upload a file that is one of these formats"):
+            load(client, path)
+        return
     status = load(client, path)
     assert status.startswith("**Error:**")
     assert message.replace("\\", "") in status
@@ -64,10 +72,10 @@ def test_bad_input_leaves_the_session_working(client, tmp_path):
     }
     assert "the document is empty" in bad["whitespace"]
     assert "m must be a number, got None" in bad["no m"]
-    assert "m=3 must divide the model's head_dim=256" in bad["m=3"]
-    assert "token_budget must be > 0" in bad["budget"]
+    assert "m=3 must divide the model's head size 256" in bad["m=3"]
+    assert "token budget must be above 0: a fraction like 0.1 or a count like 1024, got -1" in bad["budget"]
     assert "token budget must be a number, got 'a lot'" in bad["budget text"]
-    assert "cannot hold n_init=32 sinks plus n_local=20" in bad["window"]
+    assert "a token budget of 40 tokens cannot hold 32 sink tokens plus a window of 20" in bad["window"]
     assert all(s.startswith("**Error:**") for s in bad.values()), bad
     path = tmp_path / "latin.txt"
     path.write_bytes(PASSKEY.read_bytes().replace(b"Find it", "Find it, café".encode("cp1252")))
@@ -146,7 +154,7 @@ def test_stop_during_prefill_then_everything_works(client):
 
 
 def test_load_test_script_runs_clean_against_the_app(small_app_url):
-    from pqcache.tools import loadtest
+    from pqcache.bench import loadtest
 
     report = loadtest.run(clients=3, duration=8, url=small_app_url, rounds=1, request_timeout=180)
     assert report["failures"] == 0, report["failure_replies"]

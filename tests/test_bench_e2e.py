@@ -4,9 +4,9 @@ and the other runners and lengths still run and print."""
 import sys
 import textwrap
 
-from pqcache.tools import e2e
+from pqcache.bench import e2e
 
-# A stand-in for pqcache.tools.e2e_runner: llama.cpp segfaults as the AMX build did, pqcache exits with an error,
+# A stand-in for pqcache.bench.e2e_runner: llama.cpp segfaults as the AMX build did, pqcache exits with an error,
 # full prints a row as the real runner does.
 FAKE_RUNNER = textwrap.dedent(
     """

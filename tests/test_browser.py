@@ -321,6 +321,69 @@ def test_7_teaching_tab_teaches(page):
     assert len(set(titles)) == 5 and "Here" in page.locator("#walk-text").inner_text()  # numbers from this run
 
 
+def test_8_bad_input_walk_keeps_the_document_and_says_what_is_wrong(browser, app_url, tmp_path):
+    """A new user's walk of bad input, each step a clear line or a working answer, the document kept throughout: a
+    window past the document (it answers as full attention does), a real paste of 3 MB (the tab keeps answering;
+    the load is refused), a text file named .pdf, a question past the cap, and Stop during a second load."""
+    clipboard = ["clipboard-read", "clipboard-write"]
+    context = browser.new_context(permissions=clipboard, viewport={"width": 1500, "height": 1100})
+    page = context.new_page()
+    page.goto(app_url)
+    page.wait_for_selector("#load")
+    accept = page.locator("input[type=file]").get_attribute("accept")
+    assert {".txt", ".md", ".pdf", "text/*"} == {t.strip() for t in accept.split(",")}, accept
+    settings(page, True)
+    window = page.get_by_label("window (0: half the budget)")
+    window.fill("5000")
+    window.press("Tab")
+    settings(page, False)
+    page.locator("#sample").click()
+    page.wait_for_selector("#doc-status >> text=the active document", timeout=240_000)
+    ask(page, "What is the pass key?")
+    chat = answered(page)
+    assert "68422" in chat.split("What is the pass key?")[-1] and "Error" not in chat  # the window covers it all
+
+    text = ("The quick brown fox jumps over the lazy dog. " * 70_000)[:3_000_000]
+    page.evaluate("t => navigator.clipboard.writeText(t)", text)
+    page.locator("#pasted textarea").click()
+    page.keyboard.press("Control+V")  # a real paste, as a person makes it
+    page.wait_for_function("() => document.querySelector('#pasted textarea').value.length === 3000000")
+    page.wait_for_selector("#load >> text=Load the pasted text")
+    page.locator("#load").click()
+    page.wait_for_selector("#doc-status >> text=Still active: sample passkey_1k.txt", timeout=240_000)
+    assert "**Error:**" not in page.locator("#doc-status").inner_text()  # rendered, not raw markdown
+    page.get_by_role("button", name="Clear").last.click()
+
+    (tmp_path / "fake.pdf").write_text("Just some text, not a PDF at all.", encoding="utf-8")
+    page.set_input_files("input[type=file]", str(tmp_path / "fake.pdf"))
+    page.wait_for_selector("#load >> text=Load fake.pdf")
+    page.locator("#load").click()
+    page.wait_for_selector("#doc-status >> text=fake.pdf is not a PDF", timeout=60_000)
+    assert "Still active: sample passkey_1k.txt" in page.locator("#doc-status").inner_text()
+    page.get_by_role("button", name="Clear").first.click()
+
+    long_question = "What is the pass key? " * 230  # 5,060 characters
+    page.locator("#question textarea").fill(long_question)
+    page.locator("#ask").click()
+    page.wait_for_selector("#gen-status >> text=questions here take at most 4,000", timeout=60_000)
+    assert page.locator("#question textarea").input_value() == long_question  # kept, to be shortened
+
+    page.locator("#pasted textarea").fill(" ".join(f"line {i}: the numbers go on." for i in range(1500)))
+    page.locator("#load").click()
+    page.wait_for_selector(
+        "#doc-status >> text=if it stops or fails, sample passkey_1k.txt stays active", timeout=60_000
+    )
+    page.locator("#stop").click()
+    page.wait_for_selector("#doc-status >> text=Stopped: the document was not loaded.", timeout=120_000)
+    assert "Still active: sample passkey_1k.txt" in page.locator("#doc-status").inner_text()
+    page.locator("#question textarea").fill("What is the pass key?")
+    page.answers_before = len(page.locator("#chat").inner_text().split(" tokens in "))
+    page.locator("#ask").click()
+    assert "68422" in answered(page).split("What is the pass key?")[-1]
+    page.screenshot(path=str(SHOTS / "bad_input.png"), full_page=True)
+    context.close()
+
+
 def test_two_users_queue_eviction_notice_and_closed_tab(browser, small_app_url):
     """Two browser sessions on an app with one model slot and room for one document's cache."""
     import time

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
+from pqcache.bench.calibrate import calibrate, fit_cluster, fit_prefill, save
 from pqcache.engine import iters
 from pqcache.engine.iters import DEFAULT_ITERS, ITERS_RANGE, kmeans_iters_for, load_fit, t_max
-from pqcache.tools.calibrate import calibrate, fit_cluster, fit_prefill, save
 
 from .conftest import tiny_model
 

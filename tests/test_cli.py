@@ -166,9 +166,9 @@ def test_bench_app_puts_the_apps_objects_beside_generate(cli, tmp_path, monkeypa
     """`bench app` on a 1K document: each runner in its own process answers the fact right and times its load, its
     first token and its decode; the session's row has the ratios against generate and the observer's share,
     generate's the sources' cost; the session's figures are kept for the app's how-to line."""
-    from pqcache.tools import bench_app
+    from pqcache.serving import measured
 
-    monkeypatch.setattr(bench_app, "figures_path", lambda: tmp_path / "bench_app.json")
+    monkeypatch.setattr(measured, "figures_path", lambda: tmp_path / "bench_app.json")
     proc = cli("bench", "app", "--seq-lens", "1024", "--runners", "session,generate", "--decode-tokens", 16, "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     session, generated = json.loads(proc.stdout)["rows"]
@@ -231,7 +231,7 @@ def test_eval_bad_input_messages(cli, tmp_path):
 def test_pqcache_console_script_help_lists_the_subcommands(capsys):
     """pyproject's `pqcache` console script is the CLI of `python -m pqcache` (the installed command when present)."""
     target = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]["pqcache"]
-    assert target == "pqcache.tools.cli:main"
+    assert target == "pqcache.cli.main:main"
     module, func = target.split(":")
     main = getattr(importlib.import_module(module), func)
     with pytest.raises(SystemExit) as exc:  # the console-script wrapper runs sys.exit(main())
@@ -261,7 +261,7 @@ def chat_model_dir(tmp_path_factory):
 
 
 def generate_in_process(capsys, *args) -> tuple[int, dict | None, str]:
-    from pqcache.tools.cli import main
+    from pqcache.cli.main import main
 
     code = main(["generate", "--method", "full", "--question", "What is the code?", "--max-new-tokens", "3", *args])
     out, err = capsys.readouterr()

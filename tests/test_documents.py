@@ -39,7 +39,14 @@ BAD_FILES = [
     ("empty.txt", b"", DocumentError, "empty.txt is empty"),
     ("blank.md", b"  \n\t \n", DocumentError, "blank.md is empty"),
     ("image.txt", b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR" + bytes(200), DocumentError, "looks like a binary file"),
-    ("broken.pdf", b"not a pdf at all", DocumentError, "could not read the PDF broken.pdf"),
+    (
+        "broken.pdf",
+        b"not a pdf at all",
+        DocumentError,
+        r"broken.pdf is not a PDF \(it has no PDF header; it looks like text\)",
+    ),
+    ("corrupt.pdf", b"%PDF-1.4\n" + bytes(range(256)), DocumentError, "could not read the PDF corrupt.pdf"),
+    ("photo.pdf", b"\x89PNG\r\n\x1a\n\x00\x00" + bytes(200), DocumentError, "it looks like some other kind of file"),
     ("truncated.pdf", make_pdf("The pass key is 1.")[:60], DocumentError, "could not read the PDF"),
     ("scan.pdf", make_pdf(None), DocumentError, "no text layer"),
     ("report.docx", b"PK\x03\x04", DocumentError, "unsupported file type"),
@@ -77,6 +84,9 @@ def test_reads_pdf_text_markdown_and_pasted(tmp_path):
     assert read_document(None, "pasted") == "pasted"
     with pytest.raises(DocumentError, match="the document is empty"):
         read_document(None, " \n ")
+    for nothing in (None, ""):  # Load with no file and no text
+        with pytest.raises(DocumentError, match="nothing to load: attach a file or paste text first"):
+            read_document(None, nothing)
 
 
 def test_encodings(tmp_path):

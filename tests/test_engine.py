@@ -196,3 +196,26 @@ def test_append_sliding_layer_returns_what_transformers_layer_returns(monkeypatc
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), i
         assert torch.equal(new.keys, ref.keys) and new.get_mask_sizes(1) == ref.get_mask_sizes(1)
     assert new.buf_k is not None  # the last steps ran in place
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(token_budget=0.1, n_init=4, n_local=5000),  # a window past the document
+        dict(token_budget=0.1, n_init=5000, n_local=8),  # sinks past the document
+        dict(token_budget=5000, n_init=4, n_local=8),  # a budget past the document, as a count
+        dict(token_budget=1.0, n_init=4, n_local=5000),
+    ],
+)
+def test_a_selection_past_the_document_equals_full_attention(arch, settings):
+    """Whenever sinks, window or budget cover every cached token, PQCache is full attention: no token twice (a
+    window that reaches back over the sinks), no negative block count (the block cache on, as a GPU has it)."""
+    model = tiny_model(arch)
+    ids, mask = _batch(seed=5, lengths=(300,))
+    cfg = PQCacheConfig(kmeans_iters=5, bits=4, block_size=16, block_cache_tokens=64, **settings)
+    with torch.no_grad():
+        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config), mask=mask)
+        cache = PQCache(model, cfg)
+        seq, scores = greedy_generate(model, ids, cache, mask=mask)
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    assert torch.equal(seq, ref_seq)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
+from pqcache.eval import datasets, evaluate
 from pqcache.serving.prompt import build_prompt
 from pqcache.serving.stopping import ENDINGS
-from pqcache.tools import datasets, evaluate
 
 from .conftest import WordTokenizer, tiny_model
 
@@ -132,7 +132,7 @@ def test_natural_needle_cases_ask_in_plain_words(tok):
 
 
 def test_datasets_cli_writes_natural_cases(tmp_path, real_model):
-    from pqcache.tools.cli import main
+    from pqcache.cli.main import main
 
     out = tmp_path / "natural.jsonl"
     args = ["datasets", "niah", "--natural", "--lengths", "1024", "--depths", "0.5", "--query-aware", "false"]
@@ -156,7 +156,7 @@ def test_ruler_cases_hold_their_answers(tok):
 def test_recall_study_on_real_keys(real_model):
     model, tok = real_model
     text = tok.decode(tok(datasets.essays_text()).input_ids[1:700])
-    from pqcache.tools.recall import recall_study
+    from pqcache.eval.recall import recall_study
 
     rows = recall_study(
         model, tok, text, ms=(2,), bits_list=(4, 8), reranks=(1, 4, 1000), budgets=(0.1,), n_queries=4, iters=5
@@ -205,3 +205,26 @@ def test_method_variants_run_in_one_case_with_their_own_settings():
     assert same.pq_layers[0].method_state["index"].segments[0][1] is parent_index.segments[0][1]
     other.wait()
     assert other.pq_layers[0].method_state["index"].bits == 4 and other.pq_config.m == 1
+
+
+@pytest.mark.parametrize("query_aware", [True, False])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(n_local=5000), dict(token_budget=5000, n_local=None), dict(n_init=5000, n_local=8)],
+    ids=["window", "budget", "sinks"],
+)
+def test_a_selection_past_the_document_answers_as_full_attention_in_eval_and_generate(query_aware, settings):
+    """A window, budget or sink count past the document reads all of it: `eval` (both prompt orders) and `generate`
+    (the document cached first) give full attention's tokens, on each method that keeps every token it can."""
+    from pqcache.serving.generate import generate
+
+    model, tok = tiny_model("gemma3"), WordTokenizer()
+    context = " ".join(f"w{(3 * i) % 41}" for i in range(300))
+    case = {"id": "c", "context": context, "question": "what is w7 ?", "answers": ["t1"], "task": "past"}
+    config = PQCacheConfig(**{"token_budget": 0.1, "n_init": 4, "bits": 4, "kmeans_iters": 5, **settings})
+    methods = ["full", "pqcache", "oracle", "sparq"]
+    rows = evaluate.run_case(model, tok, {**case, "query_aware": query_aware}, methods, config, max_new_tokens=6)
+    assert len({tuple(r["tokens"]) for r in rows}) == 1, [(r["method"], r["tokens"]) for r in rows]
+    prompt = build_prompt(tok, context, case["question"])
+    full = generate(model, tok, prompt, method="full", config=config, max_new_tokens=6)
+    assert generate(model, tok, prompt, method="pqcache", config=config, max_new_tokens=6).tokens == full.tokens

@@ -9,11 +9,11 @@ import torch
 from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 from pqcache import PQCache, PQCacheConfig, native
+from pqcache.bench import e2e
 from pqcache.fastpath import dtype as fast
 from pqcache.fastpath.lmhead import ExactArgmaxHead, install_exact_argmax_head
 from pqcache.fastpath.weights import DecodeLinear, FusedSiblings, install_decode_weights
 from pqcache.serving.generate import decode_n_tokens, make_cache, prefill
-from pqcache.tools import e2e
 
 from .conftest import COMMON, byte_tokenizer, greedy_generate, tiny_model
 
@@ -423,7 +423,7 @@ def test_e2e_bench_cli_runs_each_runner_in_its_own_process(tiny_model_dir):
 def test_bench_kernels_rows():
     """`bench kernels`: the decode step's matrices as fastpath/weights.py stacks them, and one row per kernel with its
     bytes, rate and one-thread time, the memory's streaming rate first (the rate the others are compared with)."""
-    from pqcache.tools.kernels import bench_kernels, decoder_shapes
+    from pqcache.bench.kernels import bench_kernels, decoder_shapes
 
     bundled = Gemma3TextConfig(
         hidden_size=640, intermediate_size=2048, num_attention_heads=4, num_key_value_heads=1, head_dim=256

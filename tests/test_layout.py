@@ -1,10 +1,17 @@
-"""The codebase's shape: no import cycle between the project's modules (an import inside a function counts: it is
-a dependency all the same), no module over 300 lines and no class over 200 (tests excepted)."""
+"""The codebase's shape: the rooms' layering (import-linter's contracts in pyproject.toml, run here and by .ci/run as
+`lint-imports`; a wrong arrow fails), no import cycle between the project's modules (an import inside a function
+counts: it is a dependency all the same), nothing imports app.py, every room says what it holds, no module over 300
+lines and no class over 200 (tests excepted), and every CLI subcommand's --help."""
 
 from __future__ import annotations
 
 import ast
+import shutil
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("pqcache", "viz", "studio")
@@ -103,3 +110,77 @@ def test_modules_and_classes_stay_small():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 too_long.append(f"{name}: class {node.name}, {node.end_lineno - node.lineno + 1} lines")
     assert too_long == []
+
+
+def lint_imports(root: Path) -> subprocess.CompletedProcess:
+    """import-linter over the packages under `root`, with pyproject.toml's contracts."""
+    exe = shutil.which("lint-imports") or pytest.fail("lint-imports is missing: pip install -r requirements-test.txt")
+    return subprocess.run([exe, "--no-cache"], cwd=root, capture_output=True, text=True, timeout=300)
+
+
+def test_the_import_contracts_hold():
+    proc = lint_imports(ROOT)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert "0 broken" in proc.stdout and "kept" in proc.stdout.lower()
+
+
+@pytest.mark.parametrize(
+    "module, wrong_import, contract",
+    [
+        ("pqcache/engine/config.py", "from pqcache.serving import loading", "The engine imports nothing above it"),
+        ("pqcache/serving/prompt.py", "from pqcache.eval import metrics", "Serving imports none of"),
+        ("viz/base.py", "import torch", "Figures are free of the engine"),
+        ("studio/common.py", "from pqcache.bench import app", "The page reads serving, not the tools"),
+        ("pqcache/eval/metrics.py", "from pqcache.cli import args", "Layers:"),
+    ],
+)
+def test_a_wrong_import_breaks_a_contract(tmp_path, module, wrong_import, contract):
+    """A copy of the packages with one import against the layering: lint-imports fails and names the contract."""
+    for name in PACKAGES:
+        shutil.copytree(ROOT / name, tmp_path / name, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / module
+    target.write_text(target.read_text(encoding="utf-8") + f"\n{wrong_import}  # a wrong arrow\n", encoding="utf-8")
+    proc = lint_imports(tmp_path)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    broken = proc.stdout.split("Broken contracts")[-1]
+    assert contract in broken.replace("\n", " "), proc.stdout[-3000:]
+
+
+def test_no_package_imports_the_app():
+    """app.py is the top: import-linter reads packages only, so this says it for the module."""
+    paths = sources(with_scripts=False)
+    modules = {module_name(p) for p in paths}
+    importers = [module_name(p) for p in paths if p.name != "app.py" and "app" in imports_of(p, modules)]
+    assert importers == []
+
+
+def test_each_room_says_what_it_holds():
+    """Every package's __init__ opens with a docstring: what lives there and who may import it."""
+    missing = []
+    for init in sorted(p for pkg in PACKAGES for p in (ROOT / pkg).rglob("__init__.py")):
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
+        if not doc:
+            missing.append(str(init.relative_to(ROOT)))
+    assert missing == []
+
+
+SUBCOMMANDS = {
+    "generate": [],
+    "bench": ["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels", "app"],
+    "eval": ["recall"],
+    "datasets": ["niah", "ruler", "realdocs"],
+    "loadtest": [],
+    "calibrate": [],
+}
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_each_subcommand_has_its_help(command):
+    """`python -m pqcache <subcommand> --help` exits 0 and lists its choices (a real process: the entry point)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pqcache", command, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: python -m pqcache " + command)
+    assert all(choice in proc.stdout for choice in SUBCOMMANDS[command]), proc.stdout

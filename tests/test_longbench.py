@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pqcache import PQCacheConfig
-from pqcache.tools import case_formats, evaluate, longbench, ruler_format
-from pqcache.tools import metrics as M
+from pqcache.eval import case_formats, evaluate, longbench, ruler_format
+from pqcache.eval import metrics as M
 
 from .conftest import CHAT_TEMPLATE, byte_tokenizer, tiny_model
 
@@ -141,7 +141,7 @@ def test_longbench_records_become_cases(tmp_path):
 def test_the_real_document_questions_as_longbench_records(tmp_path):
     """`datasets realdocs --format longbench`: each question a multifieldqa_en record whose answers are every
     alternative, read back by the LongBench reader with its prompt and QA F1."""
-    from pqcache.tools.realdocs import as_longbench, realdocs
+    from pqcache.eval.realdocs import as_longbench, realdocs
 
     cases = realdocs()
     path = _jsonl(tmp_path / "realdocs.jsonl", [as_longbench(c) for c in cases])
@@ -262,7 +262,7 @@ def tiny_llama_dir(tmp_path_factory):
 
 
 def _eval(capsys, *args):
-    from pqcache.tools.cli import main
+    from pqcache.cli.main import main
 
     capsys.readouterr()
     code = main(["eval", "--methods", "full,pqcache", "--token-budget", "0.2", "--bits", "4", *map(str, args)])
@@ -272,7 +272,7 @@ def _eval(capsys, *args):
 
 
 def test_eval_cli_longbench_table(tiny_llama_dir, tmp_path, capsys):
-    from pqcache.tools.cli import _table
+    from pqcache.cli.common import table as _table
 
     cases = _jsonl(tmp_path / "lb.jsonl", [_record("hotpotqa"), _record("passage_count", answers=["1"])])
     out_rows = tmp_path / "rows.jsonl"

@@ -74,7 +74,7 @@ def _selected(layer):
 
 def test_oracle_equals_exact_ranking_on_planted_keys():
     """A layer filled by hand: the oracle picks exactly the k keys with the largest q.k."""
-    from pqcache.tools.bench import filled_layer
+    from pqcache.engine.layer.standalone import filled_layer
 
     g = torch.Generator().manual_seed(3)
     keys = torch.randn(1, 1, 500, 16, generator=g)
@@ -179,7 +179,7 @@ def test_h2o_accumulates_scores_and_evicts_for_good():
 
 
 def test_infllm_picks_blocks_by_representative_keys():
-    from pqcache.tools.bench import filled_layer
+    from pqcache.engine.layer.standalone import filled_layer
 
     g = torch.Generator().manual_seed(8)
     D, bs = 16, 16
@@ -227,7 +227,7 @@ def test_selected_positions_reach_instrumentation():
 def test_infllm_scores_the_block_that_straddles_the_window():
     """The last complete block reaches into the local window: its older positions are candidates,
     its newest are not. It must still be scored (and win here), not count as empty."""
-    from pqcache.tools.bench import filled_layer
+    from pqcache.engine.layer.standalone import filled_layer
 
     g = torch.Generator().manual_seed(9)
     D, bs = 16, 16

@@ -5,7 +5,7 @@ import torch
 
 from pqcache import PQCache, PQCacheConfig, PQCacheConfigError
 from pqcache.engine import pq
-from pqcache.tools.bench import filled_layer
+from pqcache.engine.layer.standalone import filled_layer
 
 from .conftest import tiny_model
 

@@ -96,6 +96,61 @@ def test_a_question_asked_while_loading_waits_for_the_document(tab, monkeypatch)
     assert status.startswith("pqcache: 4 tokens")
 
 
+def test_stop_during_a_load_keeps_the_earlier_document(tab, monkeypatch):
+    """A Stop while a second document loads: the first stays active (named on the line) and answers; the pool
+    freed nothing of it while the two coexisted, and counts only the first afterwards."""
+    load(tab)
+    first = tab.pool.session("ann")
+    bytes_before = tab.studio.pool.total_bytes()
+    started, real_load = threading.Event(), DocumentSession.load
+
+    def stopped_load(self, text, progress=None, stop=None, **kwargs):
+        def progress_then_stop(fraction, message):
+            if progress is not None:
+                progress(fraction, message)
+            if message.startswith("prefill"):
+                started.set()
+                assert tab.pool.session("ann") is first and first.cache is not None  # both are alive now
+                assert tab.studio.pool.total_bytes() > bytes_before  # and both count under the cap
+                tab.stop_generation(request=ANN)
+
+        return real_load(self, text, progress=progress_then_stop, stop=stop, **kwargs)
+
+    monkeypatch.setattr(DocumentSession, "load", stopped_load)
+    outs = load(tab, text=" ".join(f"v{i % 23}" for i in range(200)))
+    assert started.is_set()
+    assert any("if it stops or fails, **pasted text (" in out[0] for out in outs[:-1])  # said while loading
+    final = outs[-1][0]
+    assert final.startswith("Stopped: the document was not loaded.")
+    assert "Still active: **pasted text (" in final and "(300 tokens)" in final, final
+    assert tab.pool.session("ann") is first and first.cache is not None
+    assert tab.studio.pool.total_bytes() == bytes_before
+    assert ask(tab)[-1][1].startswith("pqcache: 4 tokens")  # the earlier document still answers
+
+
+def test_a_question_past_the_cap_is_refused_in_one_line_and_stays_in_its_box(tab):
+    load(tab)
+    tab.studio.max_question_chars = 100
+    outs = ask(tab, question="what is w3 " * 20)
+    chat, status, *panels, box, sources = outs[-1]
+    assert len(outs) == 1 and chat == []  # no model slot taken, nothing in the chat
+    assert status.startswith("**Error:** the question is 220 characters long; questions here take at most 100")
+    assert box == SKIP and all(p == SKIP for p in panels)
+    assert ask(tab, question="what is w3")[-1][1].startswith("pqcache: 4 tokens")  # a short one is answered
+
+
+def test_a_failed_answer_leaves_no_sources_of_the_last_one(tab):
+    """The word tokenizer gives no passages: the last answer's kept sources are planted as the page had them."""
+    load(tab)
+    ask(tab)
+    tab.answers["ann"] = (TEXT, {"sources": [{"start": 0, "end": 8, "share": 0.5, "text": TEXT[:8]}]})
+    tab.unload_document(request=ANN)
+    outs = ask(tab)
+    assert outs[0][-1] == {"__type__": "update", "choices": [], "value": None, "visible": False}
+    assert outs[-1][0][-1]["content"] == "Load a document first."
+    assert tab.show_source(0, False, request=ANN) == tab.show_source(None, False, request=ANN)  # nothing kept
+
+
 def test_answers_name_the_method_and_questions_without_a_document_stay_in_the_chat(tab):
     chat = ask(tab)[-1][0]
     assert chat == [

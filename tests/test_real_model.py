@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from pqcache import ModelNotFoundError, PQCache, PQCacheConfig, load_model
-from pqcache.tools.passkey import passkey_prompt
+from pqcache.eval.passkey import passkey_prompt
 
 
 @pytest.mark.parametrize("key,depth", [("68422", 0.4), ("31907", 0.8)])

@@ -368,6 +368,39 @@ def test_pool_caps_memory_evicts_the_least_recently_used_idle_user_and_tells_the
     assert ann.cache is None and pool.session("cid") is not None
 
 
+def test_pool_keeps_a_document_until_its_successor_is_loaded(model):
+    """Room for both: a stopped load leaves the old document active and counted alone. Room for one: the old
+    one is freed first, and the user told why."""
+    first = session_of(model)
+    first.load(TEXT)
+    size, estimate = first.nbytes(), first.estimate_bytes(300)
+    pool = SessionPool(max_bytes=size + estimate, idle_s=None)
+    pool.store("ann", "qa", first)
+    stop = threading.Event()
+
+    def stop_at_once(fraction, message):
+        assert pool.session("ann") is first and pool.total_bytes() == size + estimate  # both counted
+        stop.set()
+
+    with pytest.raises(Cancelled):
+        session_of(model).load(TEXT, progress=stop_at_once, stop=stop, reserve=lambda n: pool.reserve("ann", "qa", n))
+    pool.unreserve("ann", "qa")
+    assert pool.session("ann") is first and first.cache is not None and pool.total_bytes() == size
+    second = session_of(model)
+    second.load(TEXT, reserve=lambda n: pool.reserve("ann", "qa", n))
+    pool.store("ann", "qa", second)
+    assert first.cache is None and pool.session("ann") is second and pool.total_bytes() == second.nbytes()
+
+    tight = SessionPool(max_bytes=estimate + size // 2, idle_s=None)  # one document, not two
+    tight.store("ann", "qa", second)
+    third = session_of(model)
+    third.load(TEXT, reserve=lambda n: tight.reserve("ann", "qa", n))
+    assert second.cache is None  # freed before the prefill: the two would not fit
+    assert "your earlier document was unloaded to make room for this one" in tight.notice("ann")
+    tight.store("ann", "qa", third)
+    assert tight.session("ann") is third
+
+
 def test_pool_refuses_when_busy_users_hold_the_memory(model):
     s = session_of(model)
     s.load(TEXT)

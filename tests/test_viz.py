@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
-from pqcache.tools import costmodel
-from viz import figures
+from pqcache.engine import costmodel
+from viz import figures, studies
 
 from .conftest import tiny_model
 
@@ -112,7 +112,7 @@ def test_empty_data_gives_placeholder_figures():
         figures.timeline({}),
         figures.memory(None),
         figures.heat_strip({}, 10),
-        figures.cost_curves([]),
+        studies.cost_curves([]),
     ):
         assert isinstance(fig, go.Figure) and fig.layout.annotations
 
@@ -125,13 +125,13 @@ def test_cost_model_curve_and_estimate():
     assert e["full_kv_gib"] == pytest.approx(16.0)  # 2 x 32 layers x 8 heads x 128 x 128K x 2 bytes
     assert not e["full_fits"] and e["pqcache_fits"]
     assert 3 <= e["t_max"] <= 300
-    fig = figures.cost_curves(rows)
+    fig = studies.cost_curves(rows)
     assert fig.layout.xaxis.type == "log" and "model" in fig.layout.title.text
     lo, hi = fig.layout.yaxis.range  # log10 GiB: the data's range, the GPU's 24 GiB inside it
     values = [y for tr in fig.data for y in tr.y]
     assert 10**lo <= min(values) and max(values) <= 10**hi and hi - lo < 3
     assert [tr.name for tr in fig.data][-1] == "GPU memory (24 GiB)" and set(fig.data[-1].y) == {24}
-    marked = figures.cost_curves(rows, 131072)
+    marked = studies.cost_curves(rows, 131072)
     assert marked.data[-1].name == "this context (131,072 tokens)" and list(marked.data[-1].x) == [131072] * 2
 
 
@@ -160,7 +160,7 @@ def test_recall_grid_lines_per_setting():
         for b in (6, 8)
         for rr in (1, 4, 8)
     ]
-    fig = figures.recall_grid(rows)
+    fig = studies.recall_grid(rows)
     assert [tr.name for tr in fig.data][:2] == ["m=2, bits=6, budget 0.1", "m=2, bits=8, budget 0.1"]
     assert len(fig.data) == 4 and list(fig.data[0].x) == [1, 4, 8]
     assert fig.data[0].y[-1] == pytest.approx(0.01 * 2 * 6 * 8 + 0.08)  # mean over the two layers

@@ -17,61 +17,11 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from pqcache.cluster.replicas import PROBE_TIMEOUT_S, ForwardedStop, Replica, ReplicaDown
 from pqcache.cluster.views import RemoteDocument, ReplicaError, error_of
 from pqcache.engine.errors import PQCacheError, SessionEvictedError
 
-CALL_TIMEOUT_S = 10.0  # a quick call (stop, notice, status) to a replica that does not answer in this is down
-PROBE_TIMEOUT_S = 2.0  # placing a load: a replica marked down is asked again, this long
 LOST = "your document was unloaded: the worker holding it (replica {index}) stopped; load it again"
-
-
-class ReplicaDown(Exception):
-    """A replica died, or does not answer."""
-
-
-def ray_failures() -> tuple:
-    """The exceptions that mean a replica is gone or unreachable."""
-    from ray.exceptions import RayActorError, RayError
-
-    return (RayActorError, RayError, TimeoutError)
-
-
-@dataclass
-class Replica:
-    index: int
-    handle: object  # the DeploymentHandle of this replica's deployment
-    down: bool = False
-
-    def call(self, method: str, *args, timeout_s: float = CALL_TIMEOUT_S):
-        try:
-            return getattr(self.handle, method).remote(*args).result(timeout_s=timeout_s)
-        except ray_failures() as exc:
-            self.down = True
-            raise ReplicaDown(f"replica {self.index}: {type(exc).__name__}") from exc
-
-    def stream(self, method: str, *args):
-        """The replica's stream; ReplicaDown if it dies meanwhile."""
-        try:
-            yield from getattr(self.handle.options(stream=True), method).remote(*args)
-        except ray_failures() as exc:
-            self.down = True
-            raise ReplicaDown(f"replica {self.index}: {type(exc).__name__}") from exc
-
-
-class ForwardedStop(threading.Event):
-    """A user's stop event whose set and clear also reach the replica holding their document."""
-
-    def __init__(self, forward):
-        super().__init__()
-        self._forward = forward
-
-    def set(self):
-        super().set()
-        self._forward("stop")
-
-    def clear(self):
-        super().clear()
-        self._forward("clear_stop")
 
 
 @dataclass

@@ -185,9 +185,11 @@ class PQCacheConfig:
         return max(1, math.ceil(self.token_budget * context_len))
 
     def split(self, context_len: int) -> tuple[int, int, int]:
-        """(n_init, n_topk, n_local) for a context of `context_len` tokens."""
+        """(n_init, n_topk, n_local) for a context of `context_len` tokens. The sinks and a set window are kept as
+        asked, past the budget if need be (a sink or window count past the document reads all of it); the top-k
+        part gets what the budget leaves."""
         budget = self.budget_tokens(context_len)
-        n_init = min(self.n_init, budget)
+        n_init = self.n_init
         if self.n_local is not None:
             n_local = self.n_local
         else:

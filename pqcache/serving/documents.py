@@ -111,10 +111,18 @@ def read_document(
             with open(path, "rb") as f:
                 return read_bytes(f.read(), name, encoding, max_bytes)
         if name.lower().endswith(".pdf"):
+            with open(path, "rb") as f:
+                head = f.read(1024)  # a PDF's header is within its first 1024 bytes
+            if b"%PDF-" not in head:
+                what = "text" if head.strip() and not looks_binary(head) else "some other kind of file"
+                raise DocumentError(f"{name} is not a PDF (it has no PDF header; it looks like {what}): "
+                                    "if it is text, name it .txt")  # fmt: skip
             return check_text(read_pdf(path, name), name)
         with open(path, "rb") as f:
             return check_text(decode_text(f.read(), name, encoding), name)
     text = text or ""
+    if not text:
+        raise DocumentError("nothing to load: attach a file or paste text first")
     if len(text.encode("utf-8", errors="replace")) > max_bytes:
         raise DocumentError(f"the pasted text is over the {_mib(max_bytes)} limit")
     return check_text(text, "the document")

@@ -29,7 +29,8 @@ from pqcache.engine.errors import CapacityError, SessionEvictedError
 @dataclass
 class Entry:
     sessions: dict = field(default_factory=dict)  # slot -> DocumentSession with a loaded document
-    nbytes: dict = field(default_factory=dict)  # slot -> bytes (reserved, then measured)
+    nbytes: dict = field(default_factory=dict)  # slot -> bytes of the loaded document (measured)
+    pending: dict = field(default_factory=dict)  # slot -> bytes reserved for a load in progress (its successor)
     stop: threading.Event = field(default_factory=threading.Event)
     busy: int = 0  # requests in flight
     last_used: float = 0.0
@@ -111,7 +112,7 @@ class SessionPool:
 
     def total_bytes(self) -> int:
         with self.lock:
-            return sum(sum(e.nbytes.values()) for e in self.entries.values())
+            return sum(sum(e.nbytes.values()) + sum(e.pending.values()) for e in self.entries.values())
 
     # ---- memory cap --------------------------------------------------------------------------------
     def reserve(self, user: str, slot: str, nbytes: int):
@@ -123,19 +124,32 @@ class SessionPool:
                     f"this document needs about {_gib(nbytes)} of cache; the server allows "
                     f"{_gib(self.max_bytes)} in all: use a shorter document"
                 )
-            self._free(user, slot, None)  # the slot's old document goes first
+            entry.pending.pop(slot, None)
             self._evict_until(self.max_bytes - nbytes, keep=user)
+            over = self.total_bytes() + nbytes - self.max_bytes
+            if 0 < over <= entry.nbytes.get(slot, 0):  # the successor fits alone, not beside the old document
+                self._free(user, slot, None)
+                entry.notice = replaced = (
+                    f"your earlier document was unloaded to make room for this one (the server keeps at most "
+                    f"{_gib(self.max_bytes)} of caches)"
+                )
+                entry.freed[slot] = replaced + "; load it again"
             if self.total_bytes() + nbytes > self.max_bytes:
                 raise CapacityError(
                     f"the server's cache memory ({_gib(self.max_bytes)}) is held by users who are "
                     "generating right now: try again in a moment"
                 )
-            entry.nbytes[slot] = nbytes
+            entry.pending[slot] = nbytes
 
     def store(self, user: str, slot: str, session):
-        """Keep a loaded session; account its measured size and evict others if that went over."""
+        """Keep a loaded session in place of the slot's old one (freed now); account its measured size and evict
+        others if that went over."""
         with self.lock:
             entry = self.entry(user)
+            old = entry.sessions.get(slot)
+            if old is not None and old is not session:
+                old.close()
+            entry.pending.pop(slot, None)
             entry.sessions[slot] = session
             entry.freed.pop(slot, None)
             entry.nbytes[slot] = session.nbytes()
@@ -143,11 +157,9 @@ class SessionPool:
             self._evict_until(self.max_bytes, keep=user)
 
     def unreserve(self, user: str, slot: str):
-        """A reservation whose prefill failed or was stopped."""
+        """A reservation whose prefill failed or was stopped: the slot's old document, if any, stays as it was."""
         with self.lock:
-            entry = self.entry(user)
-            if slot not in entry.sessions:
-                entry.nbytes.pop(slot, None)
+            self.entry(user).pending.pop(slot, None)
 
     def _evict_until(self, limit: int, keep: str):
         while self.total_bytes() > limit:

@@ -136,7 +136,7 @@ class DocumentSession:
             ids = truncate_middle(ids, limit)
         cache = PQCache(self.model, self.config, method=self.method, keep_queries=self.keep_queries)  # checks config
         try:
-            if reserve is not None:  # may free the previous document of this session, or refuse
+            if reserve is not None:  # a pool makes room (the user's previous document stays while it fits) or refuses
                 reserve(self.estimate_bytes(int(ids.shape[1])))
         except BaseException:
             cache.close()

@@ -12,9 +12,12 @@ import math
 from dataclasses import astuple, dataclass
 
 from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS, PQCacheConfig
-from pqcache.engine.errors import PQCacheConfigError
+from pqcache.engine.errors import InputError, PQCacheConfigError
 from pqcache.engine.instrument import Instrumentation
 
+# The longest question the app takes (a flag: app.py --max-question-chars): a question is read in full for every
+# answer, on one of the model's few slots; a long passage belongs in the document, where it is read once.
+MAX_QUESTION_CHARS = 4000
 ENCODINGS = ["utf-8", "cp1252", "latin-1", "utf-16"]  # offered for a text file; any codec name is accepted
 TOO_LONG = ["refuse", "cut the middle"]  # what to do with a document longer than the model reads
 
@@ -28,6 +31,34 @@ def number(value, name: str, integer: bool = False):
     if not math.isfinite(x) or (integer and not x.is_integer()):
         raise PQCacheConfigError(f"{name} must be a {'whole ' if integer else ''}number, got {value!r}")
     return int(x) if integer else x
+
+
+# the engine's names of the form's fields, as the page labels them
+FORM_WORDS = {
+    "invalid PQCacheConfig: ": "",
+    "token_budget": "token budget",
+    "n_init": "sink tokens",
+    "n_local": "window",
+    "block_cache_tokens": "block cache (tokens)",
+    "cache_policy": "block-cache policy",
+    "head_dim=": "head size ",
+}
+
+
+def in_form_words(message: str) -> str:
+    """An engine's settings message with the form's field names in place of the engine's."""
+    for name, label in FORM_WORDS.items():
+        message = message.replace(name, label)
+    return message
+
+
+def check_question(question: str, max_chars: int | None = MAX_QUESTION_CHARS) -> None:
+    """InputError for a question longer than `max_chars` characters (None: any length)."""
+    if max_chars and len(question) > max_chars:
+        raise InputError(
+            f"the question is {len(question):,} characters long; questions here take at most {max_chars:,}: "
+            "ask it in fewer words, or add a long passage to the document"
+        )
 
 
 @dataclass
@@ -54,20 +85,60 @@ class LoadSettings:
     def to_config(
         self, pq_timeout_s: float | None = PQCacheConfig.pq_timeout_s, block_size: int = PQCacheConfig.block_size
     ) -> PQCacheConfig:
-        """The engine's config (PQCacheConfigError names the field typed wrong). The block cache holds whole
-        blocks of `block_size` tokens: its capacity is rounded down to a multiple of it."""
+        """The engine's config; PQCacheConfigError in the form's own words, naming the field typed wrong. The block
+        cache holds whole blocks of `block_size` tokens: its capacity is rounded down to a multiple of it."""
+        from pqcache.engine.methods import METHODS
+
+        def whole(value, name: str, least: int, meaning: str) -> int:
+            x = number(value, name, True)
+            if x < least:
+                raise PQCacheConfigError(f"{name} must be {meaning}, got {x}")
+            return x
+
+        if self.method not in METHODS:
+            raise PQCacheConfigError(f"method must be one of {', '.join(METHODS)}, got {self.method!r}")
+        m = whole(self.m, "m", 0, "0 (chosen from the head size) or a whole number of sub-spaces")
+        bits = whole(self.bits, "bits", 0, "0 (chosen from the length) or a whole number from 1 to 8")
+        if bits > 8:
+            raise PQCacheConfigError(
+                f"bits must be 0 (chosen from the length) or a whole number from 1 to 8, got {bits}"
+            )
         budget = number(self.budget, "token budget")
-        return PQCacheConfig(
-            m=number(self.m, "m", True) or None,
-            bits=number(self.bits, "bits", True) or None,
-            token_budget=int(budget) if budget > 1 else budget,
-            n_init=number(self.n_init, "sink tokens", True),
-            n_local=number(self.n_local, "window", True) or None,
-            cache_policy=self.policy,
-            block_size=block_size,
-            block_cache_tokens=number(self.capacity, "block cache", True) // block_size * block_size,
-            pq_timeout_s=pq_timeout_s,
-        )
+        if budget <= 0:
+            raise PQCacheConfigError(
+                f"token budget must be above 0: a fraction like 0.1 or a count like 1024, got {budget:g}"
+            )
+        if budget > 1 and not budget.is_integer():
+            raise PQCacheConfigError(
+                f"token budget {budget:g} is neither a fraction up to 1 nor a whole count of tokens"
+            )
+        n_init = whole(self.n_init, "sink tokens", 0, "a whole number >= 0")
+        n_local = whole(self.n_local, "window", 0, "0 (half of what the budget leaves) or a whole number of tokens")
+        capacity = whole(self.capacity, "block cache (tokens)", 0, "a whole number >= 0")
+        if self.policy not in ("lfu", "lru"):
+            raise PQCacheConfigError(f"block-cache policy must be lfu or lru, got {self.policy!r}")
+        if self.too_long not in TOO_LONG:
+            raise PQCacheConfigError(f"for a document longer than the model reads choose {' or '.join(TOO_LONG)}")
+        if budget > 1 and n_local and n_init + n_local > budget:
+            sinks = f"{n_init} sink token" + ("s" if n_init != 1 else "")
+            raise PQCacheConfigError(
+                f"a token budget of {budget:g} tokens cannot hold {sinks} plus a window of {n_local}: "
+                "raise the budget, or lower the sinks or the window"
+            )
+        try:
+            return PQCacheConfig(
+                m=m or None,
+                bits=bits or None,
+                token_budget=int(budget) if budget > 1 else budget,
+                n_init=n_init,
+                n_local=n_local or None,
+                cache_policy=self.policy,
+                block_size=block_size,
+                block_cache_tokens=capacity // block_size * block_size,
+                pq_timeout_s=pq_timeout_s,
+            )
+        except PQCacheConfigError as exc:  # none expected past the checks above; if one is, in the form's words
+            raise PQCacheConfigError(in_form_words(str(exc))) from None
 
     @property
     def text_encoding(self) -> str | None:

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import threading
 
+from pqcache.engine.errors import PQCacheConfigError
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.session import DocumentSession
-from pqcache.serving.settings import LoadSettings
+from pqcache.serving.settings import LoadSettings, in_form_words
 
 SLOT = "qa"
 
@@ -65,9 +66,10 @@ class DocumentWorker:
         progress=None,
         stop: threading.Event | None = None,
     ) -> DocumentSession:
-        """Prefill `text` as the user's active document. Settings and text are checked first (a bad one leaves the
-        previous document in place); then the pool frees the previous document and makes room, or refuses. Raises
-        what is wrong (Cancelled when `stop` was set); the reservation is then given back."""
+        """Prefill `text` as the user's next document; it replaces the active one once loaded. Settings and text are
+        checked first; then the pool makes room (the previous document stays while both fit) or refuses. Raises what
+        is wrong, settings in the form's words (Cancelled when `stop` was set); the reservation is then given back
+        and the previous document, if kept, stays active."""
         config = settings.to_config(pq_timeout_s=self.pq_timeout_s)
         session = DocumentSession(
             self.model, self.tokenizer, config, method=settings.method, max_tokens=self.max_document_tokens
@@ -83,6 +85,9 @@ class DocumentWorker:
                 truncate=settings.truncate,
                 reserve=lambda n: self.pool.reserve(user, SLOT, n),
             )
+        except PQCacheConfigError as exc:  # a setting the model refuses (m must divide its head size)
+            self.pool.unreserve(user, SLOT)
+            raise PQCacheConfigError(in_form_words(str(exc))) from None
         except BaseException:
             self.pool.unreserve(user, SLOT)
             raise

@@ -18,9 +18,9 @@ def app(args):
 
     from gradio_client import Client, handle_file
 
+    from pqcache.bench.app_process import running_app
+    from pqcache.eval.passkey import passkey_context
     from pqcache.serving.settings import LoadSettings
-    from pqcache.tools.app_process import running_app
-    from pqcache.tools.passkey import passkey_context
 
     path = Path(__file__).resolve().parents[2] / "assets" / "passkey_1k.txt"
     if args.document_tokens:
@@ -42,9 +42,9 @@ def panels(args):
     app's observer and without, alternating; then each live panel's draw time (median of 5) on the records of the
     last observed answer."""
     from pqcache import Instrumentation
+    from pqcache.eval.passkey import LONG_QUESTION, passkey_context
     from pqcache.serving.session import DocumentSession
     from pqcache.serving.settings import LoadSettings
-    from pqcache.tools.passkey import LONG_QUESTION, passkey_context
     from studio.panels import merged_data
     from viz import figures
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import torch
 
+from pqcache.bench.e2e import prompt_ids
 from pqcache.engine.config import PQCacheConfig
 from pqcache.serving.generate import decode_one_token, make_cache, prefill
 from pqcache.serving.loading import load_model
-from pqcache.tools.e2e import prompt_ids
 
 
 def prefilled(seq_len: int, method: str, config: PQCacheConfig | None = None, decode_weights: str = "int8"):

@@ -10,9 +10,9 @@ import time
 
 import torch
 
+from pqcache.bench.e2e import prompt_ids
 from pqcache.serving.generate import prefill
 from pqcache.serving.loading import load_model
-from pqcache.tools.e2e import prompt_ids
 
 from .common import prefilled, steps
 

@@ -42,6 +42,9 @@ class DeviceWindow:
         self.init_pos = key.argsort(dim=1, stable=True)[:, : self.n_init]  # (B, n_init)
         self.init_valid = is_init.gather(1, self.init_pos)
         self.n_init_valid = [int(n) for n in is_init.sum(1).tolist()]  # sinks of each row (read every step)
+        # A row's window starts after its sinks at the earliest: a window past the document would hold them twice.
+        sink_end = torch.where(self.init_valid, self.init_pos + 1, 0)  # (B, n_init)
+        self.sink_end = (sink_end.amax(1, keepdim=True) if self.n_init else sink_end.new_zeros(B, 1)).to(self.device)
 
         self.k_cap = self.q_cap = 0
         self.ensure(1, 1)
@@ -143,7 +146,7 @@ class DeviceWindow:
         bytes copied in. Only blocks older than every row's window: those never change."""
         if self.blocks is None:
             return 0
-        admitted = self.blocks.admit(top, valid, self.host, self.host.S - max(self.n_local))
+        admitted = self.blocks.admit(top, valid, self.host, max(0, self.host.S - max(self.n_local)))
         return 2 * admitted * self.host.D * self.k.element_size()
 
     def moved(self, hit: torch.Tensor, valid: torch.Tensor, keys: bool, admitted: int) -> dict:
@@ -185,8 +188,8 @@ class DeviceWindow:
         """(B, L) bool: ring slots holding a real token of the row's window."""
         host = self.host
         slot_pos = self.slot_pos.to(self.device)
-        local_start = torch.tensor([host.S - n for n in self.n_local], device=self.device)
-        ok = (slot_pos[None, :] >= local_start[:, None]) & (slot_pos[None, :] >= 0)
+        local_start = torch.tensor([host.S - n for n in self.n_local], device=self.device)[:, None]
+        ok = (slot_pos[None, :] >= torch.maximum(local_start, self.sink_end)) & (slot_pos[None, :] >= 0)
         return ok & host.valid[:, : host.S].gather(1, slot_pos.clamp(min=0)[None, :].expand(host.B, -1))
 
     def positions(self, top: torch.Tensor, Q: int) -> torch.Tensor:

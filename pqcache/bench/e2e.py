@@ -34,13 +34,13 @@ def llama_cpp_installed() -> bool:
 
 def prompt_ids(tokenizer, n: int) -> list[int]:
     """n token ids of a long English document (the passkey filler), BOS first: every runner gets these."""
-    from pqcache.tools.bench_model import _ids
+    from pqcache.bench.model import _ids
 
     return _ids(tokenizer, n)[0].tolist()
 
 
-# the runner's process: `python -m pqcache.tools.e2e_runner SPEC.json` (the tests put a runner that crashes here)
-RUNNER_COMMAND = (sys.executable, "-m", "pqcache.tools.e2e_runner")
+# the runner's process: `python -m pqcache.bench.e2e_runner SPEC.json` (the tests put a runner that crashes here)
+RUNNER_COMMAND = (sys.executable, "-m", "pqcache.bench.e2e_runner")
 FAILURE_LINES = 6  # the last lines a failed runner printed, kept in its row
 
 
@@ -85,7 +85,7 @@ def failure(returncode: int, stdout: str, stderr: str) -> str:
 
 def run_inline(spec: dict) -> dict:
     """One runner in this process (tests: no fresh interpreter; its peak memory is the whole process's)."""
-    from pqcache.tools.e2e_runner import run_spec
+    from pqcache.bench.e2e_runner import run_spec
 
     return run_spec(spec)
 

@@ -19,10 +19,10 @@ import torch
 from pqcache.engine.cache import PQCache
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.sources import AttentionTally
+from pqcache.eval import case_formats, case_sources, longbench, ruler_format
+from pqcache.eval.case_formats import CaseError, load_cases  # noqa: F401  (evaluate's API)
 from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
 from pqcache.serving.stopping import looping
-from pqcache.tools import case_formats, case_sources, longbench, ruler_format
-from pqcache.tools.case_formats import CaseError, load_cases  # noqa: F401  (evaluate's API)
 
 # the case fields not copied into its rows (the texts, and what only the prompt or the score needs)
 NOT_IN_ROWS = ("context", "question", "answers", "needle", "prompt", "all_classes")

@@ -6,7 +6,7 @@ A record is one line of LongBench's data files (`input`, `context`, `answers`, `
 the model's chat template except for trec, triviaqa, samsum, lsht, lcc and repobench-p (few-shot and code
 completion, which LongBench leaves raw), greedy decoding of at most the dataset's generation length
 (config/dataset2maxlen.json), and a prompt longer than the model's limit cut in the middle (the first and last
-halves kept). It is scored as LongBench's `eval.py` scores it: the dataset's metric (pqcache/tools/metrics.py),
+halves kept). It is scored as LongBench's `eval.py` scores it: the dataset's metric (pqcache/eval/metrics.py),
 the best over the reference answers, on the first line only for trec, triviaqa, samsum and lsht; a dataset's
 score is 100 x the mean, to 2 decimals, and the table's average is the mean over datasets.
 
@@ -21,7 +21,7 @@ import json
 from functools import cache
 from pathlib import Path
 
-from pqcache.tools import metrics
+from pqcache.eval import metrics
 
 # THUDM/LongBench eval.py, dataset2metric
 DATASET2METRIC = {

@@ -2,7 +2,7 @@
 
 - `pqcache` (this project's JSONL): id, context, question, answers[, query_aware, fields for grouping]; the prompt
   comes from the prompt builder (pqcache.serving.prompt) and the answer ends at its stop rule.
-- `longbench` and `ruler` (pqcache/tools/longbench.py, ruler_format.py): the benchmark's own records, turned into
+- `longbench` and `ruler` (pqcache/eval/longbench.py, ruler_format.py): the benchmark's own records, turned into
   cases that carry their framed prompt as two raw text parts (`prompt`: document, question), their generation
   length (`max_new_tokens`), how the answer ends (`stop`) and how it is scored (`metric`).
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from pqcache.eval import longbench, ruler_format
 from pqcache.serving.prompt import Prompt, build_prompt, has_chat_template
 from pqcache.serving.stopping import StopRule
-from pqcache.tools import longbench, ruler_format
 
 FORMATS = ("pqcache", "longbench", "ruler")
 REQUIRED = ("id", "context", "question", "answers")

@@ -33,7 +33,7 @@ def recall_study(
     from dataclasses import replace
 
     from pqcache.engine.layer.probe import selection_recall
-    from pqcache.tools.bench import filled_layer
+    from pqcache.engine.layer.standalone import filled_layer
 
     device = next(model.parameters()).device
     ids = tokenizer(context, return_tensors="pt").input_ids.to(device)

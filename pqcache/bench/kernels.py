@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from pqcache import native
+from pqcache.bench.attention import median_ms
 from pqcache.fastpath.quantize import GROUP, Int4Groups, Int8Rows, int4_kernel_takes, quantize_int4
-from pqcache.tools.bench import _median_ms
 
 
 def decoder_shapes(config) -> list[tuple[int, int]]:
@@ -37,7 +37,7 @@ def decoder_shapes(config) -> list[tuple[int, int]]:
 
 def _ms(fn, repeats: int) -> float:
     fn()  # first call: allocations
-    return _median_ms(fn, repeats)
+    return median_ms(fn, repeats)
 
 
 def _timed(fn, repeats: int, threads: int) -> tuple[float, float]:

@@ -19,9 +19,10 @@ Ratios against generate at the same length: load_vs_generate (tokens/s, higher i
 
 from __future__ import annotations
 
-import os
 import subprocess
 from pathlib import Path
+
+from pqcache.serving.measured import save_figures
 
 LENGTHS = (1024, 8192, 24576)
 RUNNERS = ("app", "session", "generate", "llama.cpp")
@@ -48,8 +49,8 @@ def bench_app(
     import sys
     import tempfile
 
+    from pqcache.bench.e2e import failure, llama_cpp_installed
     from pqcache.fastpath.dtype import available_cpus
-    from pqcache.tools.e2e import failure, llama_cpp_installed
 
     rows = []
     for n in lengths:
@@ -66,7 +67,7 @@ def bench_app(
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(spec, f)
             try:
-                proc = subprocess.run([sys.executable, "-m", "pqcache.tools.bench_app_runs", f.name],
+                proc = subprocess.run([sys.executable, "-m", "pqcache.bench.app_runs", f.name],
                                       capture_output=True, text=True)  # fmt: skip
             finally:
                 Path(f.name).unlink(missing_ok=True)
@@ -77,23 +78,6 @@ def bench_app(
             rows.append({"length": n, **(row or {"runner": runner, "error": failure(proc.returncode, proc.stdout,
                                                                                      proc.stderr)})})  # fmt: skip
     return with_ratios(rows)
-
-
-def figures_path() -> Path:
-    """Where `bench app` leaves its last figures for this machine (the app's how-to line quotes them)."""
-    return Path(os.environ.get("PQCACHE_HOME", Path.home() / ".cache" / "pqcache")) / "bench_app.json"
-
-
-def save_figures(rows: list[dict]) -> None:
-    """The session rows (the app's objects) of the last run, with the CPU they ran on."""
-    import json
-    import platform
-
-    kept = [r for r in rows if r["runner"] == "session" and "load_tok_s" in r]
-    if kept:
-        path = figures_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"machine": platform.processor() or platform.machine(), "rows": kept}))
 
 
 def print_table(rows: list[dict]) -> None:

@@ -1,22 +1,21 @@
 """One-layer benchmarks that print ratios measured side by side in one run (absolute times here are noisy): a
-decode step's attention, dense SDPA against the PQCache step, and its growth with the context; with the helpers
-other benchmarks and tests share (median timing, a prefilled PQ layer)."""
+decode step's attention, dense SDPA against the PQCache step, and its growth with the context; and the median
+timing the kernel benchmark shares."""
 
 from __future__ import annotations
 
 import statistics
 import time
-from concurrent.futures import Future
 
 import torch
 import torch.nn.functional as F
 
 from pqcache.engine.config import PQCacheConfig
-from pqcache.engine.layer.layer import PQLayer
+from pqcache.engine.layer.standalone import filled_layer
 from pqcache.engine.methods.pqcache import first_stage_counts, rerank_exact
 
 
-def _median_ms(fn, repeats: int, sync=None) -> float:
+def median_ms(fn, repeats: int, sync=None) -> float:
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -25,36 +24,6 @@ def _median_ms(fn, repeats: int, sync=None) -> float:
             sync()
         times.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(times)
-
-
-class InlineExecutor:
-    """Runs a PQ build in the caller (benchmarks time decode steps, not the build). A fault in a
-    build shuts the executor down, as it does the cache's thread pool: later submits raise."""
-
-    def __init__(self):
-        self.is_shutdown = False
-
-    def submit(self, fn, *args):
-        if self.is_shutdown:
-            raise RuntimeError("cannot schedule new futures after shutdown")
-        fut = Future()
-        try:
-            fut.set_result(fn(*args))
-        except Exception as exc:  # the build's own error reaches the layer through the future
-            fut.set_exception(exc)
-        return fut
-
-    def shutdown(self, wait: bool = True, cancel_futures: bool = False):
-        self.is_shutdown = True
-
-
-def filled_layer(keys, values, config: PQCacheConfig, iters: int = 10, method=None) -> PQLayer:
-    """A PQLayer prefilled with keys/values (B, H, S, D) (on the compute device), PQ built."""
-    layer = PQLayer(config.for_head_dim(keys.shape[-1]), 0, InlineExecutor(), lambda s: iters, method)
-    layer.update(keys, values)
-    layer.finish_prefill(torch.ones(keys.shape[0], keys.shape[2], dtype=torch.bool, device=keys.device))
-    layer.wait_pq()
-    return layer
 
 
 def bench_attention(
@@ -121,7 +90,7 @@ def bench_attention(
         times = {"dense": [], "pq": [], "search": [], "rerank": []}
         for _ in range(repeats):  # interleaved, so machine noise hits both alike
             for name, fn in (("dense", dense), ("pq", pq_step), ("search", search), ("rerank", rerank_stage)):
-                times[name].append(_median_ms(fn, 1, sync))
+                times[name].append(median_ms(fn, 1, sync))
         d, p, sr, rr = (statistics.median(times[x]) for x in ("dense", "pq", "search", "rerank"))
         rows.append(
             {

@@ -1,6 +1,6 @@
 """One runner of `bench e2e` on one prompt, alone in its process: prefill, greedy decode, peak memory.
 
-`python -m pqcache.tools.e2e_runner SPEC.json` prints one JSON row. A process per runner makes the
+`python -m pqcache.bench.e2e_runner SPEC.json` prints one JSON row. A process per runner makes the
 peak memory its own: after loading and a warm-up the kernel's high-water mark of resident memory
 (VmHWM) is reset (/proc/self/clear_refs), so `peak_rss_bytes` is the most the process held during the
 timed prefill and decode, weights included (llama.cpp's mapped GGUF pages count once touched).

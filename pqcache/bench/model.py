@@ -13,7 +13,7 @@ from pqcache.engine.shapes import head_dim_of
 
 
 def _ids(tokenizer, n: int) -> torch.Tensor:
-    from pqcache.tools.passkey import passkey_context
+    from pqcache.eval.passkey import passkey_context
 
     text = passkey_context("68422", n_filler=max(1, n // 22))
     ids = tokenizer(text, return_tensors="pt").input_ids

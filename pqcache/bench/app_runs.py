@@ -9,12 +9,12 @@ import threading
 import time
 
 from pqcache.engine.config import PQCacheConfig
+from pqcache.eval.passkey import LONG_QUESTION
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.prompt import build_prompt
 from pqcache.serving.session import step_ms
 from pqcache.serving.settings import LoadSettings, answer_observer
 from pqcache.serving.worker import DocumentWorker
-from pqcache.tools.passkey import LONG_QUESTION
 
 FACT, QUESTION, ANSWER = (
     "The secret code for the blue door is 4721.",
@@ -28,7 +28,7 @@ LONG_RUNS = 2  # every runner answers it this many times and keeps its best: one
 def document(tokenizer, n_tokens: int) -> str:
     """The passkey filler (the sample's kind of text, on which LONG_QUESTION's answer counts on for LONG_TOKENS) to
     about n_tokens tokens, with FACT in the middle."""
-    from pqcache.tools.passkey import FILLER, INTRO
+    from pqcache.eval.passkey import FILLER, INTRO
 
     per = len(tokenizer(FILLER, add_special_tokens=False).input_ids)
     n = max(2, (n_tokens - 40) // per)
@@ -143,7 +143,7 @@ def app_row(text: str, model: str = "default", long_tokens: int = LONG_TOKENS) -
     """`python app.py` through its API: the load's wall time, the first streamed answer text, the page's own line."""
     from gradio_client import Client
 
-    from pqcache.tools.app_process import running_app
+    from pqcache.bench.app_process import running_app
 
     flags = ["--max-cache-gib", "4"] + ([] if model == "default" else ["--model", model])
     with running_app(*flags) as (url, _):

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pqcache.tools import metrics
+from pqcache.eval import metrics
 
 # RULER scripts/data/synthetic/constants.py and synthetic.yaml: a task's kind -> (tokens_to_generate, metric)
 KINDS = {

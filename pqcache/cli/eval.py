@@ -1,0 +1,87 @@
+"""`python -m pqcache eval` (cases, or `eval recall`) and `datasets` (generated and bundled case sets):
+the runners of pqcache/eval/, a summary table or --json."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from pqcache.cli.common import config_of, stderr, table
+
+
+def cmd_eval(args) -> int:
+    from pqcache.engine.methods import METHODS
+    from pqcache.eval import evaluate
+    from pqcache.serving.loading import load_model
+
+    if args.mode is None and args.cases is None:
+        raise ValueError("give --cases FILE.jsonl (or `eval recall`)")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m.split("/")[0] not in METHODS]
+    if unknown:
+        raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+    cases = evaluate.load_cases(args.cases, args.format) if args.mode is None else None
+    config = config_of(args)
+    model, tok = load_model(
+        args.model, device=args.device, dtype=args.dtype, progress=stderr, decode_weights=args.decode_weights
+    )
+    if args.mode == "recall":
+        from pqcache.eval.datasets import essays_text
+
+        text = tok.decode(tok(essays_text()).input_ids[1 : args.context_tokens])
+        from pqcache.eval.recall import recall_study
+
+        rows = recall_study(
+            model,
+            tok,
+            text,
+            ms=args.ms,
+            bits_list=args.bits_list,
+            reranks=args.reranks,
+            opqs=args.opq_list,
+            budgets=args.budgets,
+        )
+        print(json.dumps({"rows": rows}) if args.json else table(rows))
+        return 0
+    from tqdm import tqdm
+
+    rows = []
+    out = open(args.out, "w", encoding="utf-8") if args.out else None
+    try:
+        for case in tqdm(cases, desc="cases", file=sys.stderr):
+            for row in evaluate.run_case(model, tok, case, methods, config, args.max_new_tokens, args.max_length):
+                rows.append(row)
+                if out:
+                    out.write(json.dumps(row) + "\n")
+                    out.flush()
+    finally:
+        if out:
+            out.close()
+    group = [g for g in args.group_by.split(",") if g] or (["task"] if args.format == "ruler" else [])
+    summary = evaluate.summarize(rows, group, by_dataset=args.format == "longbench")  # LongBench: a column per dataset
+    print(json.dumps({"rows": summary}) if args.json else table(summary))
+    return 0
+
+
+def cmd_datasets(args) -> int:
+    from transformers import AutoTokenizer
+
+    from pqcache.eval import datasets
+    from pqcache.serving.loading import prepare_default_model
+
+    if args.kind == "realdocs":  # fixed questions on real texts: no tokenizer needed
+        from pqcache.eval.realdocs import as_longbench, realdocs
+
+        cases = realdocs() if args.format == "pqcache" else [as_longbench(c) for c in realdocs()]
+        datasets.write_jsonl(cases, args.out)
+        print(f"wrote {len(cases)} cases to {args.out}")
+        return 0
+    tok = AutoTokenizer.from_pretrained(prepare_default_model(lambda msg: print(msg, file=sys.stderr)))
+    if args.kind == "niah":
+        cases = datasets.niah(tok, args.lengths, args.depths, args.query_aware, natural=args.natural, seed=args.seed)
+    else:
+        tasks = args.tasks.split(",") if args.tasks else datasets.RULER_TASKS
+        cases = [c for n in args.lengths for c in datasets.ruler(tok, tasks, n, args.n, args.seed, args.query_aware)]
+    datasets.write_jsonl(cases, args.out)
+    print(f"wrote {len(cases)} cases to {args.out}")
+    return 0

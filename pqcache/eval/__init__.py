@@ -1,0 +1,1 @@
+"""Evaluation: case runner, formats, metrics, sources, data sets, recall study; for the CLI, benchmarks, tests."""
