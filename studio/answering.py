@@ -30,12 +30,12 @@ def literal(text: str) -> str:
     return re.sub(r"^(\s*\d+)\.(?=\s|$)", r"\1\\.", text, flags=re.M)
 
 
-def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, feed, on_done=None):
+def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, feed, on_done=None, more=None):
     """Run session.ask on a worker thread and yield (chat, timing line, 5 panels) while it streams: the first
     text as soon as it is there, then the chat at most every CHAT_EVERY_S seconds, one panel whose data changed
     (memory excepted) at most every PANEL_EVERY_S seconds, all changed panels at the end. The chat's last message is
     the answer, with the method, its tokens, why it ended and the passages it read most (its sources);
-    on_done(answer) once it has ended."""
+    on_done(answer) once it has ended; more(answer): text for the end of the timing line."""
     updates: queue.Queue = queue.Queue()
     result: dict = {}
 
@@ -107,4 +107,4 @@ def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, fe
         status += f"; first token after {answer.first_s:.2f} s, then {ms:.0f} ms a token"
     if getattr(answer, "reread_s", 0.0):  # the load kept no queries, which this method starts from
         status += f"; {method} read the document again for its prefill queries first ({answer.reread_s:.1f} s)"
-    yield chat, status + notices(session.last_stats), *feed.figures()
+    yield chat, status + notices(session.last_stats) + (more(answer) if more else ""), *feed.figures()

@@ -13,6 +13,7 @@ from pqcache import InputError
 from pqcache.serving.settings import answer_observer, check_question
 from studio.answering import stream_answer
 from studio.common import describe, user_of
+from studio.conversing import ON_A_CLUSTER, ConversationHandlers
 from studio.panels import PanelFeed
 from studio.qa_load import WAIT_S, LoadHandlers
 from studio.sources import choices as source_choices
@@ -23,9 +24,9 @@ from studio.status import StatusBook
 NO_DOCUMENT = "Load a document first."
 
 
-class QATab(LoadHandlers):
-    """The Q&A tab's handlers (loading a document: studio/qa_load.py); each user's document lives in the worker's
-    pool, in its "qa" slot: this process's pool, or a Ray replica's (studio.documents)."""
+class QATab(LoadHandlers, ConversationHandlers):
+    """The Q&A tab's handlers (loading a document: studio/qa_load.py; its conversation: studio/conversing.py); each
+    user's document lives in the worker's pool, in its "qa" slot: this process's pool, or a Ray replica's."""
 
     def __init__(self, studio: Studio):
         self.studio = studio
@@ -33,6 +34,7 @@ class QATab(LoadHandlers):
         self.status = StatusBook(self.pool)
         self.feeds: dict[str, PanelFeed] = {}
         self.answers: dict[str, tuple[str, dict]] = {}  # user -> (document text, the last answer's sources)
+        self.conversations: dict = {}  # user -> their Conversation on the active document
         self.notices = 0
         try:
             self.device = next(studio.model.parameters()).device.type
@@ -113,7 +115,22 @@ class QATab(LoadHandlers):
                 kept = {k: list(getattr(answer, k, None) or []) for k in keys}
                 self.answers[user] = (getattr(session, "doc_text", ""), {**kept, "method": method})
 
-            yield from stream_answer(session, question, chat, method, int(max_new_tokens), stop, obs, feed, keep)
+            try:
+                talk, note = self.conversation_for(user, session, method)
+            except Exception as exc:  # reading the prefill queries a method starts from failed, or was stopped
+                chat.append({"role": "assistant", "content": f"Error: {describe(exc)}"})
+                yield chat, "", *feed.figures()
+                return
+            if note:
+                chat.insert(len(chat) - 1, {"role": "assistant", "content": note})
+
+            def said(_answer):  # after the timing line: what the conversation now holds (counted under the cap)
+                self.count_conversation(user)
+                return self.conversation_line(user) if talk else ON_A_CLUSTER
+
+            yield from stream_answer(
+                talk or session, question, chat, method, int(max_new_tokens), stop, obs, feed, keep, said
+            )
 
     # ---- the rest -----------------------------------------------------------------------------------------
     def stop_generation(self, request: gr.Request):
@@ -133,6 +150,7 @@ class QATab(LoadHandlers):
 
     def unload_document(self, request: gr.Request):
         user = user_of(request)
+        self.drop_conversation(user)
         self.pool.free(user, "qa")
         self.status.forget(user)
         self.answers.pop(user, None)
@@ -168,6 +186,7 @@ class QATab(LoadHandlers):
     def end_user(self, request: gr.Request):
         """The tab closed: free its caches."""
         user = user_of(request)
+        self.drop_conversation(user)
         self.pool.end(user)
         self.status.forget(user)
         self.feeds.pop(user, None)

@@ -118,6 +118,10 @@ def build_qa_tab(tab: QATab, methods: list[str]):
             with gr.Row():
                 ask_btn = gr.Button("Ask", variant="primary", elem_id="ask")
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
+            with gr.Row():  # follow-ups see the earlier turns until a new conversation (studio/conversing.py)
+                new_talk = gr.Button("New conversation", size="sm", elem_id="new-conversation")
+                add_doc = gr.Button("Add the attached file (or pasted text) to the conversation", size="sm",
+                                    elem_id="add-document")  # fmt: skip
             gen_status = gr.Markdown("", elem_id="gen-status")
             sources = gr.Radio(
                 [], type="index", label="Sources of the last answer: click one to see it in the document",
@@ -179,6 +183,9 @@ def build_qa_tab(tab: QATab, methods: list[str]):
         tab.stop_generation, None, [stopped], api_name="stop", concurrency_limit=None, show_progress="hidden"
     )
     unload.click(tab.unload_document, None, shown, api_name="unload_document", concurrency_limit=None)
+    new_talk.click(tab.new_conversation, None, [chat, gen_status], api_name="new_conversation", **model_work)
+    add_doc.click(tab.add_to_conversation, [file, pasted, encoding, method], [gen_status], api_name="add_document",
+                  **model_work)  # fmt: skip
     for control in (layer, window):
         control.change(
             tab.refresh_panels, [layer, window], plots, api_name=False, concurrency_limit=None, show_progress="hidden"

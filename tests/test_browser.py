@@ -122,6 +122,11 @@ def answered(page, timeout=240_000) -> str:
     return page.locator("#chat").inner_text()
 
 
+def answer_text(chat: str, question: str) -> str:
+    """The answer's own words after `question` in the chat (not its timing line or its sources' quotes)."""
+    return chat.split(question)[-1].split("pqcache:")[0].strip()
+
+
 def test_1_first_screen_says_what_to_do_and_what_the_panels_will_show(page):
     assert "How to use" in page.locator("#how-to").inner_text()
     assert page.locator("#sample").is_visible() and "Try a sample" in page.locator("#sample").inner_text()
@@ -341,7 +346,7 @@ def test_8_bad_input_walk_keeps_the_document_and_says_what_is_wrong(browser, app
     page.wait_for_selector("#doc-status >> text=the active document", timeout=240_000)
     ask(page, "What is the pass key?")
     chat = answered(page)
-    assert "68422" in chat.split("What is the pass key?")[-1] and "Error" not in chat  # the window covers it all
+    assert "68422" in answer_text(chat, "What is the pass key?") and "Error" not in chat  # the window covers it all
 
     text = ("The quick brown fox jumps over the lazy dog. " * 70_000)[:3_000_000]
     page.evaluate("t => navigator.clipboard.writeText(t)", text)
@@ -379,9 +384,33 @@ def test_8_bad_input_walk_keeps_the_document_and_says_what_is_wrong(browser, app
     page.locator("#question textarea").fill("What is the pass key?")
     page.answers_before = len(page.locator("#chat").inner_text().split(" tokens in "))
     page.locator("#ask").click()
-    assert "68422" in answered(page).split("What is the pass key?")[-1]
+    assert "68422" in answer_text(answered(page), "What is the pass key?")
     page.screenshot(path=str(SHOTS / "bad_input.png"), full_page=True)
     context.close()
+
+
+def test_9_a_follow_up_is_answered_from_the_conversation(browser, app_url):
+    """"Repeat that number." after "What is the pass key?" repeats the answer (the conversation holds it); after
+    *New conversation* the same words alone do not (measured: " 1."); the timing line counts the turns."""
+    page = browser.new_page(viewport={"width": 1500, "height": 1100})
+    page.goto(app_url)
+    page.wait_for_selector("#load")
+    page.locator("#sample").click()
+    page.wait_for_selector("#doc-status >> text=the active document", timeout=240_000)
+    ask(page, "What is the pass key?")
+    assert "68422" in answer_text(answered(page), "What is the pass key?")
+    ask(page, "Repeat that number.")
+    assert "68422" in answer_text(answered(page), "Repeat that number.")
+    line = page.locator("#gen-status").inner_text()
+    assert "conversation:" in line and "(turns 1-2;" in line, line
+    page.locator("#new-conversation").click()
+    page.wait_for_selector("#gen-status >> text=A new conversation about sample passkey_1k.txt", timeout=60_000)
+    assert "Repeat that number." not in page.locator("#chat").inner_text()
+    ask(page, "Repeat that number.")
+    alone = answer_text(answered(page), "Repeat that number.")
+    assert alone and "68422" not in alone and "(turn 1;" in page.locator("#gen-status").inner_text()
+    page.screenshot(path=str(SHOTS / "conversation.png"), full_page=True)
+    page.close()
 
 
 def test_two_users_queue_eviction_notice_and_closed_tab(browser, small_app_url):

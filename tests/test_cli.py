@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PASSKEY = ROOT / "assets" / "passkey_1k.txt"
 QUESTION = "What is the pass key?"  # in plain words: the prompt builder frames it
-SUBCOMMANDS = ("generate", "bench", "eval", "datasets", "loadtest", "calibrate")
+SUBCOMMANDS = ("generate", "chat", "bench", "eval", "datasets", "loadtest", "calibrate")
 
 
 def run_cli(*args, timeout=600):

@@ -167,6 +167,7 @@ def test_each_room_says_what_it_holds():
 
 SUBCOMMANDS = {
     "generate": [],
+    "chat": ["--context-file"],
     "bench": ["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels", "app"],
     "eval": ["recall"],
     "datasets": ["niah", "ruler", "realdocs"],

@@ -260,3 +260,53 @@ def test_an_answers_first_words_are_sent_at_once_not_at_the_next_tick(monkeypatc
     release.set()
     last = list(stream)[-1]
     assert last[0][-1]["content"].startswith("Paris\n\n*pqcache: 1 tokens")
+
+
+def test_follow_ups_continue_one_conversation_until_a_new_one(tab):
+    """The second question continues the first's cache (the timing line counts both turns); New conversation goes
+    back to the document; another method starts a new conversation and says so; Unload ends it."""
+    load(tab)
+    first = ask(tab)[-1][1]
+    assert "; conversation: " in first and "(turn 1; at most 1,024)" in first
+    talk = tab.conversations["ann"]
+    n_after_first = talk.n_tokens
+    second = ask(tab, question="and w7")[-1][1]
+    assert "(turns 1-2;" in second and tab.conversations["ann"] is talk and talk.n_tokens > n_after_first
+    counted = tab.studio.pool.entry("ann").nbytes["qa"]
+    assert counted > talk.session.nbytes()  # the conversation's growth counts under the cap
+    chat, line = tab.new_conversation(request=ANN)
+    assert chat == [] and line.startswith("A new conversation about **pasted text (")
+    assert "turn 1;" in ask(tab)[-1][1]  # a fresh conversation on the same document, no prefill
+    outs = ask(tab, method="h2o")
+    assert any("The method is now h2o: a new conversation starts" in m["content"] for m in outs[-1][0])
+    assert tab.conversations["ann"].method == "h2o"
+    tab.unload_document(request=ANN)
+    assert "ann" not in tab.conversations
+
+
+def test_a_document_added_to_the_conversation_is_read_once_and_asked_about(tab, tmp_path):
+    assert tab.add_to_conversation(None, "v1 v2", "utf-8", "pqcache", request=ANN).startswith("Load a document")
+    load(tab)
+    ask(tab)
+    second = tmp_path / "second.txt"
+    second.write_text(" ".join(f"v{i % 17}" for i in range(300)), encoding="utf-8")
+    said = tab.add_to_conversation(str(second), "", "utf-8", "pqcache", request=ANN)
+    assert said.startswith("Added **second.txt** (300 tokens) to the conversation") and "added: second.txt" in said
+    assert "(turns 1-3; added: second.txt" in ask(tab, question="what is v3")[-1][1]
+    (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 4)
+    bad = tab.add_to_conversation(str(tmp_path / "bin.txt"), "", "utf-8", "pqcache", request=ANN)
+    assert bad.startswith("**Error:** bin.txt looks like a binary file")
+    assert len(tab.conversations["ann"].turns) == 3  # kept as it was
+
+
+def test_a_conversation_past_the_models_context_says_so_and_offers_a_new_one(tab, tmp_path):
+    load(tab)
+    big = tmp_path / "big.txt"
+    big.write_text(" ".join(f"v{i % 17}" for i in range(400)), encoding="utf-8")
+    assert tab.add_to_conversation(str(big), "", "utf-8", "pqcache", request=ANN).startswith("Added")
+    full = tab.add_to_conversation(str(big), "", "utf-8", "pqcache", request=ANN)
+    assert full.startswith("**Error:** this conversation holds 700 tokens") and "start a new conversation" in full
+    chat = ask(tab)[-1][0]
+    assert chat[-1]["content"].startswith("*") or "tokens in" in chat[-1]["content"]  # it still answers
+    tab.new_conversation(request=ANN)
+    assert tab.add_to_conversation(str(big), "", "utf-8", "pqcache", request=ANN).startswith("Added")

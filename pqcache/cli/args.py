@@ -47,27 +47,8 @@ def _iters(text: str):
     return text if text == "auto" else int(text)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m pqcache", description="PQCache: PQ-retrieved attention for long contexts"
-    )
-    sub = p.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="answer a question about a context file")
-    g.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
-    g.add_argument(
-        "--method",
-        default="pqcache",
-        choices=list(METHODS),
-        help="full (transformers' DynamicCache), or a selection method under the same budget",
-    )
-    g.add_argument(
-        "--context-file",
-        type=Path,
-        help="the document: .txt, .md, .pdf or any text file; '-' reads standard input",
-    )
-    g.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")
-    g.add_argument("--question", required=True, help="the question, in your own words")
+def add_answer_flags(g: argparse.ArgumentParser):
+    """What `generate` and `chat` share: the answer's length, the device, the dtype and the engine's settings."""
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--device", default="auto")
     add_dtype_flags(g)
@@ -91,7 +72,38 @@ def build_parser() -> argparse.ArgumentParser:
         "device and host tiers are the same memory)",
     )
     g.add_argument("--cache-policy", default=PQCacheConfig.cache_policy, choices=["lru", "lfu"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pqcache", description="PQCache: PQ-retrieved attention for long contexts"
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="answer a question about a context file")
+    g.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
+    g.add_argument(
+        "--method",
+        default="pqcache",
+        choices=list(METHODS),
+        help="full (transformers' DynamicCache), or a selection method under the same budget",
+    )
+    g.add_argument(
+        "--context-file",
+        type=Path,
+        help="the document: .txt, .md, .pdf or any text file; '-' reads standard input",
+    )
+    g.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")
+    g.add_argument("--question", required=True, help="the question, in your own words")
+    add_answer_flags(g)
     g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
+
+    c = sub.add_parser("chat", help="a conversation about a document: one question a line, follow-ups see the earlier")
+    c.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
+    c.add_argument("--method", default="pqcache", choices=list(METHODS))
+    c.add_argument("--context-file", type=Path, required=True, help="the document: .txt, .md, .pdf or any text file")
+    c.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")
+    add_answer_flags(c)
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     b.add_argument("which", choices=["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels", "app"])

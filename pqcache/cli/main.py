@@ -1,4 +1,4 @@
-"""python -m pqcache {generate,bench,eval,datasets,calibrate,loadtest} ...: parse (args.py), dispatch to the
+"""python -m pqcache {generate,chat,bench,eval,datasets,calibrate,loadtest} ...: parse (args.py), dispatch to the
 subcommand's handler, and turn a bad input into one line on stderr and exit status 2."""
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ def main(argv=None) -> int:
             from pqcache.cli.generate import cmd_generate
 
             return cmd_generate(args)
+        if args.command == "chat":
+            from pqcache.cli.chat import cmd_chat
+
+            return cmd_chat(args)
         if args.command in ("eval", "datasets"):
             from pqcache.cli.eval import cmd_datasets, cmd_eval
 

@@ -84,6 +84,7 @@ class Decoded:
     stopped: bool = False  # `stop` was set before the next token
     ended: str = ""  # why: one of ENDINGS
     generated: int = 0  # tokens the model produced, the dropped ones (a stop text, a cut repeat) included
+    fed: list[int] = field(default_factory=list)  # the produced tokens read into the cache (all but an unread last)
 
 
 @torch.no_grad()
@@ -131,6 +132,7 @@ def decode_n_tokens(
             break
         with lock if lock is not None else nullcontext():
             logits = decode_one_token(model, token, cache)
+        out.fed.append(tid)
     return out
 
 

@@ -156,6 +156,15 @@ class SessionPool:
             entry.last_used = self.clock()
             self._evict_until(self.max_bytes, keep=user)
 
+    def count(self, user: str, slot: str, nbytes: int):
+        """A loaded slot's bytes measured anew (its document and a conversation grown on it); evicts other users'
+        idle caches if that went over the cap."""
+        with self.lock:
+            entry = self.entry(user)
+            if slot in entry.sessions:
+                entry.nbytes[slot] = nbytes
+                self._evict_until(self.max_bytes, keep=user)
+
     def unreserve(self, user: str, slot: str):
         """A reservation whose prefill failed or was stopped: the slot's old document, if any, stays as it was."""
         with self.lock:

@@ -40,6 +40,7 @@ ANSWER_LABEL = "Answer:"
 # the end of a base model's answer: a blank line, or the model starting the next frame on the next line
 END_OF_ANSWER = ("\n\n", f"\n{QUESTION_LABEL}", f"\n{ANSWER_LABEL}")
 _DOC, _QUESTION = "\u2063PQDOC\u2063", "\u2063PQQUESTION\u2063"  # sentinels rendered through a chat template
+_ANSWER = "\u2063PQANSWER\u2063"
 
 
 @dataclass(frozen=True)
@@ -77,6 +78,7 @@ class PromptBuilder:
         self.tokenizer = tokenizer
         self._parts = self._split_template(document=True) if has_chat_template(tokenizer) else None
         self._bare = self._split_template(document=False) if self._parts else None
+        self._next = self._split_next_turn() if self._parts else None
 
     @property
     def chat(self) -> bool:
@@ -101,6 +103,38 @@ class PromptBuilder:
         head, rest = text.split(_DOC)
         between, tail = rest.split(_QUESTION)
         return (head, between, tail) if _QUESTION not in head + between else None
+
+    def _split_next_turn(self) -> tuple[str, str] | None:
+        """The template around a second user turn -> (switch, tail): after the assistant's answer, switch + the
+        user's words + tail is their next turn with the generation prompt. None when it cannot be read off."""
+        turns = [{"role": "user", "content": _DOC}, {"role": "assistant", "content": _ANSWER}]
+        try:
+            text = self.tokenizer.apply_chat_template(
+                [*turns, {"role": "user", "content": _QUESTION}], tokenize=False, add_generation_prompt=True
+            )
+        except Exception:  # a template that refuses a second turn: the plain frame for follow-ups
+            return None
+        if not isinstance(text, str) or text.count(_ANSWER) != 1 or text.count(_QUESTION) != 1:
+            return None
+        after = text.split(_ANSWER)[1]
+        return tuple(after.split(_QUESTION)) if _QUESTION in after else None
+
+    def follow_up(self, question: str, after_document: bool = False) -> str:
+        """A later turn of a conversation: after an answer, or (after_document) after a document added to it."""
+        question = question.strip()
+        framed = f"\n\n{INSTRUCTION}\n{QUESTION_LABEL} {question}"
+        if self._next is not None:
+            switch, tail = self._next
+            return (framed if after_document else switch + question) + tail
+        return f"{framed}\n{ANSWER_LABEL}" if after_document else f"\n{QUESTION_LABEL} {question}\n{ANSWER_LABEL}"
+
+    def added_document(self, text: str) -> str:
+        """A document added to a conversation: in the user's next turn (the question that follows closes it)."""
+        return (self._next[0] if self._next is not None else "\n\n") + (text or "").strip()
+
+    def ids(self, part: str) -> torch.Tensor:
+        """A part after the cached document -> ids (1, n), without special tokens."""
+        return self.tokenizer(part, add_special_tokens=False, return_tensors="pt").input_ids
 
     def document(self, text: str) -> str:
         """The document part: the same for every question."""

@@ -56,6 +56,9 @@ class DocumentWorker:
     def summary(self) -> dict:
         return self.pool.summary()
 
+    def count(self, user: str, nbytes: int, slot: str = SLOT):
+        self.pool.count(user, slot, nbytes)
+
     # ---- a document ------------------------------------------------------------------------------------
     def load(
         self,

@@ -1,0 +1,202 @@
+"""A conversation over a cached document: a chain of turns on one cache, each continuing the one that holds the
+earlier turns' questions and answers, so a follow-up sees what was asked and answered before it; nothing is read
+twice.
+
+    conversation = session.conversation()          # the document's prefill is kept in the session
+    conversation.ask("What is the default quality setting of cjpeg?").text
+    conversation.ask("What is the range of that setting?").text   # sees the first turn
+    branch = conversation.fork()                   # a copy that goes its own way
+    conversation.add_document(text, "second.txt")  # read once into this conversation, asked about next
+    conversation.reset()                           # back to the document alone
+
+A turn's question is read as one chunk after the cache (short ones take codes from the existing centroids; one of at
+least `turn_min_tokens`, an added document, gets a K-Means codebook of its own, built in the background as the
+prefill's: PQIndex's segments), then the answer is decoded into the same cache. The cache then holds the answer as
+the model produced it: its kept tokens, and (where the stop rule ended it on a stop text) the part of that text it had
+already read; the transcript of record is `ids`, every token after the document. A conversation that would pass the
+model's positions raises ConversationFullError before it reads anything; a read stopped (or failed) between layers
+sends the conversation back to the document, as its cache no longer holds one text.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from pqcache.engine.errors import Cancelled, InputError, NoDocumentError
+from pqcache.engine.instrument import Instrumentation
+from pqcache.engine.sources import AttentionTally
+from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
+from pqcache.serving.hooks import layer_hooks
+
+
+class ConversationFullError(InputError):
+    """The next turn would pass the model's positions: a new conversation is needed."""
+
+
+@dataclass
+class Turn:
+    kind: str  # "question" or "document"
+    text: str  # the question as asked, or the added document's name
+    answer: str = ""
+    tokens: int = 0  # tokens this turn added to the cache (its question or document part, and its answer)
+
+
+@dataclass
+class Conversation:
+    session: object  # the DocumentSession whose document this conversation is about
+    method: str
+    cache: object = None  # a fork of the document's cache, grown by every turn
+    turns: list[Turn] = field(default_factory=list)
+    ids: list[int] = field(default_factory=list)  # every token read after the document, in order
+    open_user_turn: bool = False  # an added document was read into a user turn the next question closes
+
+    def __post_init__(self):
+        if self.cache is None:
+            if self.session.cache is None:
+                raise NoDocumentError("load a document first")
+            self.session.ensure_queries(self.method)
+            self.cache = self.session.cache.fork(self.method)
+
+    # ---- what it holds -----------------------------------------------------------------------------------
+    @property
+    def n_tokens(self) -> int:
+        """Tokens in the cache: the document's and every turn's."""
+        return self.session.n_tokens + len(self.ids)
+
+    @property
+    def limit(self) -> int | None:
+        config = self.session.model.config.get_text_config(decoder=True)
+        return getattr(config, "max_position_embeddings", None)
+
+    def _check_room(self, n_new: int, what: str):
+        if self.limit and self.n_tokens + n_new > self.limit:
+            raise ConversationFullError(
+                f"this conversation holds {self.n_tokens:,} tokens; {what} needs {n_new:,} more and the model reads "
+                f"at most {self.limit:,}: start a new conversation (the document stays loaded)"
+            )
+
+    def _read(self, ids: torch.Tensor, stop: threading.Event | None) -> torch.Tensor:
+        """ids (1, Q) read into the cache -> the next token's logits (1, V); the tokens kept in `ids`."""
+        session = self.session
+        try:
+            with session.lock, layer_hooks(session.model, None, stop):
+                logits = prefill(session.model, ids.to(session.device), self.cache)
+        except BaseException:  # stopped or failed between layers: the cache is not one text any more
+            self.reset()
+            raise
+        self.ids.extend(int(t) for t in ids[0])
+        return logits
+
+    # ---- turns ---------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def ask(
+        self,
+        question: str,
+        method: str | None = None,
+        max_new_tokens: int = 64,
+        stop: threading.Event | None = None,
+        observer: Instrumentation | None = None,
+        on_token=None,
+    ):
+        """Answer `question` with every earlier turn in view; the turn is kept. Returns a session Answer (`method`:
+        the conversation's own; another one raises, as the cache holds this method's state)."""
+        from pqcache.serving.session import Answer
+
+        if method not in (None, self.method):
+            raise InputError(f"this conversation runs {self.method}; start a new one for {method}")
+        if not question or not question.strip():
+            raise InputError("the question is empty")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        prompt, session = self.session.prompt, self.session
+        asked = any(t.kind == "question" for t in self.turns)
+        q_ids = prompt.ids(prompt.follow_up(question, self.open_user_turn)) if asked else prompt.question_ids(question)
+        self._check_room(q_ids.shape[1] + max_new_tokens, "this question and its answer")
+        before = len(self.ids)
+        for layer in self.cache.pq_layers:  # the budget follows the conversation: split anew for its length
+            layer.split_tiers()
+        self.cache.instrument(observer)
+        tally = self.cache.tally_sources(AttentionTally(session.n_tokens))  # sources in the first document
+        answer, t0 = Answer(), time.perf_counter()
+
+        def show(tokens):
+            answer.tokens = tokens
+            answer.text = session.tokenizer.decode(tokens, skip_special_tokens=True)
+            answer.seconds = time.perf_counter() - t0
+            answer.first_s = answer.first_s or answer.seconds
+            if on_token is not None:
+                on_token(answer)
+
+        try:
+            try:
+                logits = self._read(q_ids, stop)
+            except Cancelled:  # stopped while reading the question: the conversation went back to the document
+                answer.stopped, answer.ended, answer.done = True, "stopped", True
+                return answer
+            else:
+                self.open_user_turn = False
+                eos = eos_token_ids(session.model, session.tokenizer)
+                decoded = decode_n_tokens(
+                    session.model, logits, self.cache, max_new_tokens, eos, show, stop=stop, lock=session.lock,
+                    stop_rule=prompt.stop_rule(),
+                )  # fmt: skip
+                answer.tokens, answer.stopped, answer.ended = decoded.tokens, decoded.stopped, decoded.ended
+                answer.generated = decoded.generated
+                answer.text = session.tokenizer.decode(answer.tokens, skip_special_tokens=True)
+                self.ids.extend(decoded.fed)
+            answer.seconds = time.perf_counter() - t0
+        finally:
+            session.last_stats = self.cache.stats()
+            self.cache.instrument(None)
+            self.cache.tally_sources(None)
+        self.turns.append(Turn("question", question, answer.text, len(self.ids) - before))
+        spans = session.spans()
+        from pqcache.serving.sources import highlights, passages
+
+        answer.sources = [p.to_dict() for p in passages(session.doc_text, spans, tally.received)]
+        answer.attended, answer.missed = highlights(spans, tally)
+        answer.done = True
+        return answer
+
+    @torch.no_grad()
+    def add_document(self, text: str, name: str = "a document", stop: threading.Event | None = None) -> int:
+        """Read another document into the conversation (once, with a K-Means codebook of its own when it is at least
+        `turn_min_tokens` long), to be asked about next, beside the first. Returns its tokens."""
+        from pqcache.serving.documents import check_text
+
+        check_text(text)
+        prompt = self.session.prompt
+        asked = any(t.kind == "question" for t in self.turns)
+        ids = prompt.ids(prompt.added_document(text) if asked else "\n\n" + text.strip())
+        self._check_room(ids.shape[1] + 1, f"{name} ({ids.shape[1]:,} tokens)")
+        self._read(ids, stop)
+        self.cache.wait()  # its codebook, as a load waits for the document's
+        self.open_user_turn = True
+        self.turns.append(Turn("document", name, tokens=int(ids.shape[1])))
+        return int(ids.shape[1])
+
+    # ---- branches --------------------------------------------------------------------------------------------
+    def fork(self) -> Conversation:
+        """A copy of the conversation so far that goes its own way (the document's tiers are shared)."""
+        return Conversation(
+            self.session, self.method, self.cache.fork(self.method), [Turn(**vars(t)) for t in self.turns],
+            list(self.ids), self.open_user_turn,
+        )  # fmt: skip
+
+    def reset(self):
+        """Back to the document alone (its prefill kept)."""
+        self.cache.close()
+        self.cache, self.turns, self.ids, self.open_user_turn = self.session.cache.fork(self.method), [], [], False
+
+    def close(self):
+        if self.cache is not None:
+            self.cache.close()
+        self.cache = None
+
+    @property
+    def last_stats(self):
+        return self.session.last_stats
