@@ -390,7 +390,7 @@ def test_8_bad_input_walk_keeps_the_document_and_says_what_is_wrong(browser, app
 
 
 def test_9_a_follow_up_is_answered_from_the_conversation(browser, app_url):
-    """"Repeat that number." after "What is the pass key?" repeats the answer (the conversation holds it); after
+    """ "Repeat that number." after "What is the pass key?" repeats the answer (the conversation holds it); after
     *New conversation* the same words alone do not (measured: " 1."); the timing line counts the turns."""
     page = browser.new_page(viewport={"width": 1500, "height": 1100})
     page.goto(app_url)
