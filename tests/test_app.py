@@ -44,7 +44,9 @@ def test_second_question_reuses_the_document(client):
     first = list(client.submit(QUESTION, [], "pqcache", 6, "5", api_name="/ask"))[-1]
     chat = first[0]
     second = list(client.submit("Repeat the pass key: 6", chat, "snapkv", 4, "5", api_name="/ask"))[-1]
-    assert len(second[0]) == 4  # both turns in the chat
+    # both turns in the chat, and between them the notice that another method starts a new conversation
+    assert [m["role"] for m in second[0]] == ["user", "assistant", "assistant", "user", "assistant"]
+    assert "The method is now snapkv: a new conversation starts" in second[0][2]["content"][0]["text"]
     assert second[1].startswith("snapkv:")
 
 

@@ -162,6 +162,21 @@ def test_bench_ttft_and_blockcache_json_shape(cli):
     assert all(0 <= r["hit_rate"] <= 1 for r in rows)
 
 
+def test_bench_conversation_times_each_turn_beside_a_re_prefill(cli):
+    """`bench conversation` on a 1.2K passkey document, 3 turns: a row per turn with both methods' first-token time
+    and ms a token, the re-prefill measured at the last turn (turn 1's is the load's); the first turn answers."""
+    proc = cli("bench", "conversation", "--seq-lens", "1200", "--turns", "3", "--new-tokens", "6", "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    rows, (summary,) = out["rows"], out["summary"]
+    assert [(r["seq_len"], r["turn"]) for r in rows] == [(1200, 1), (1200, 2), (1200, 3)]
+    assert all(r["pqcache_ttft_s"] > 0 and r["full_ttft_s"] > 0 and r["pqcache_ms_tok"] > 0 for r in rows)
+    assert rows[0]["tokens"] < rows[1]["tokens"] < rows[2]["tokens"]  # each turn reads after the earlier ones
+    assert rows[1]["reprefill_ttft_s"] is None and rows[2]["reprefill_ttft_s"] > 0
+    assert "68422" in rows[0]["answer"]
+    assert summary["reprefill_over_turn3"] > 0 and summary["turn3_over_turn1"] > 0
+
+
 def test_bench_app_puts_the_apps_objects_beside_generate(cli, tmp_path, monkeypatch):
     """`bench app` on a 1K document: each runner in its own process answers the fact right and times its load, its
     first token and its decode; the session's row has the ratios against generate and the observer's share,

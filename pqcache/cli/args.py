@@ -106,14 +106,18 @@ def build_parser() -> argparse.ArgumentParser:
     add_answer_flags(c)
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
-    b.add_argument("which", choices=["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels", "app"])
+    b.add_argument(
+        "which",
+        choices=["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels", "app", "conversation"],
+    )
     b.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=None)
     b.add_argument("--repeats", type=int, default=None)
     b.add_argument("--shapes", choices=["llama", "gemma"], default="llama", help="decode: head shapes")
     b.add_argument("--m", type=int, default=None, help="attention: sub-spaces (default: from head_dim)")
     b.add_argument("--bits", type=int, default=None, help="attention: bits per code (default: from the length)")
     b.add_argument("--rerank", type=int, default=None, help="attention: re-rank factor (default: the config's)")
-    b.add_argument("--new-tokens", type=int, default=256, help="blockcache: tokens generated")
+    b.add_argument("--new-tokens", type=int, default=None, help="blockcache (256), conversation (16): tokens generated")
+    b.add_argument("--turns", type=int, default=6, help="conversation: turns on one read of the document")
     b.add_argument("--model", default="default", help="ttft, blockcache: the model")
     b.add_argument("--device", default="auto")
     add_dtype_flags(b)
@@ -137,10 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--cases", type=Path, help="JSONL: id, context, question, answers[, query_aware] (--format)")
     e.add_argument(
         "--format",
-        choices=["pqcache", "longbench", "ruler"],
+        choices=["pqcache", "longbench", "ruler", "scbench"],
         default="pqcache",
         help="--cases is this project's JSONL (default), LongBench's data file (its prompts, generation lengths and "
-        "metrics; the summary has a column per dataset) or RULER's generated JSONL (its string-match scores)",
+        "metrics; the summary has a column per dataset), RULER's generated JSONL (its string-match scores) or "
+        "SCBench's (one context, several turns: --scbench-mode; a row per turn)",
+    )
+    e.add_argument(
+        "--scbench-mode",
+        choices=["multi-turn", "multi-request", "both"],
+        default="multi-turn",
+        help="scbench: each turn sees the earlier turns with their golden answers (multi-turn) or the context alone "
+        "(multi-request); both: the two on one read of each context",
     )
     e.add_argument(
         "--max-length",
@@ -158,8 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--max-new-tokens",
         type=int,
-        default=24,
-        help="answer tokens at most (longbench, ruler: each case has its benchmark's own length)",
+        default=None,
+        help="answer tokens at most (default 24; longbench, ruler, scbench: each case its benchmark's own length)",
     )
     e.add_argument("--token-budget", type=_budget, default=0.1)
     e.add_argument("--m", type=int, default=PQCacheConfig.m)
@@ -192,14 +204,20 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--json", action="store_true")
 
     d = sub.add_parser("datasets", help="write case files offline (needle in a haystack, RULER-style)")
-    d.add_argument("kind", choices=["niah", "ruler", "realdocs"], help="realdocs: 26 questions on licence texts")
+    d.add_argument(
+        "kind",
+        choices=["niah", "ruler", "realdocs", "scbench"],
+        help="realdocs: 26 questions on licence texts; scbench: SCBench-style shared-context conversations",
+    )
+    d.add_argument("--turns", type=int, default=5, help="scbench: turns per conversation")
     d.add_argument("--out", type=Path, required=True)
     d.add_argument(
         "--format", choices=["pqcache", "longbench"], default="pqcache", help="realdocs: as LongBench records too"
     )
     d.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[2048, 4096, 8192])
     d.add_argument("--depths", type=lambda t: [float(x) for x in t.split(",")], default=[0.1, 0.5, 0.9])
-    d.add_argument("--tasks", default=None, help="ruler: comma-separated tasks (default: all)")
+    d.add_argument("--tasks", default=None, help="ruler, scbench: comma-separated tasks (default: all; scbench's "
+                   "realdocs: the real-document conversations)")  # fmt: skip
     d.add_argument("--n", type=int, default=2, help="ruler: cases per task and length")
     d.add_argument("--query-aware", choices=["both", "true", "false"], default="both")
     d.add_argument("--seed", type=int, default=0)

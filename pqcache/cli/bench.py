@@ -14,6 +14,8 @@ TITLES = {
     "memory": "device-tier KV bytes, PQCache against full attention",
     "blockcache": "device block-cache hit rate of the retrieved tokens over a generation",
     "kernels": "the kernels of one decode step (bundled model's shapes), torch's and native, against the memory",
+    "conversation": "a conversation's turns on one read of the document, PQCache and full attention, budget 1/10; "
+    "reprefill: the document and the earlier turns read again (a fresh PQCache) for that turn",
 }
 
 
@@ -61,9 +63,19 @@ def cmd_bench(args) -> int:
         )
         if args.which == "ttft":
             rows = bench_model.bench_ttft(model, tok, **kw)
+        elif args.which == "conversation":
+            from pqcache.bench.conversation import bench_conversation
+
+            kw.pop("repeats", None)
+            rows, summary = bench_conversation(model, tok, turns=args.turns, max_new_tokens=args.new_tokens or 16, **kw)
+            if args.json:
+                print(json.dumps({"rows": rows, "summary": summary}))
+            else:
+                print(TITLES[args.which], table(rows), table(summary), sep="\n")
+            return 0
         else:
             rows = bench_model.bench_blockcache(
-                model, tok, seq_len=(args.seq_lens or [4096])[0], new_tokens=args.new_tokens
+                model, tok, seq_len=(args.seq_lens or [4096])[0], new_tokens=args.new_tokens or 256
             )
     if args.json:
         print(json.dumps({"rows": rows}))

@@ -8,6 +8,8 @@ import sys
 
 from pqcache.cli.common import config_of, stderr, table
 
+EVAL_MAX_NEW = 24  # answer tokens at most, unless --max-new-tokens (scbench: each task's own length)
+
 
 def cmd_eval(args) -> int:
     from pqcache.engine.methods import METHODS
@@ -20,7 +22,13 @@ def cmd_eval(args) -> int:
     unknown = [m for m in methods if m.split("/")[0] not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
-    cases = evaluate.load_cases(args.cases, args.format) if args.mode is None else None
+    scbench = args.format == "scbench"
+    if scbench:
+        from pqcache.eval import scbench as sc
+
+        cases = sc.load_cases(args.cases) if args.mode is None else None
+    else:
+        cases = evaluate.load_cases(args.cases, args.format) if args.mode is None else None
     config = config_of(args)
     model, tok = load_model(
         args.model, device=args.device, dtype=args.dtype, progress=stderr, decode_weights=args.decode_weights
@@ -49,7 +57,12 @@ def cmd_eval(args) -> int:
     out = open(args.out, "w", encoding="utf-8") if args.out else None
     try:
         for case in tqdm(cases, desc="cases", file=sys.stderr):
-            for row in evaluate.run_case(model, tok, case, methods, config, args.max_new_tokens, args.max_length):
+            if scbench:  # a row per turn (--max-new-tokens: the task's own length unless given)
+                case_rows = sc.run_case(model, tok, case, methods, config, args.scbench_mode, args.max_new_tokens)
+            else:
+                n_new = args.max_new_tokens or EVAL_MAX_NEW
+                case_rows = evaluate.run_case(model, tok, case, methods, config, n_new, args.max_length)
+            for row in case_rows:
                 rows.append(row)
                 if out:
                     out.write(json.dumps(row) + "\n")
@@ -57,6 +70,10 @@ def cmd_eval(args) -> int:
     finally:
         if out:
             out.close()
+    if scbench:
+        summary = sc.summarize(rows)
+        print(json.dumps({"rows": summary}) if args.json else table(summary))
+        return 0
     group = [g for g in args.group_by.split(",") if g] or (["task"] if args.format == "ruler" else [])
     summary = evaluate.summarize(rows, group, by_dataset=args.format == "longbench")  # LongBench: a column per dataset
     print(json.dumps({"rows": summary}) if args.json else table(summary))
@@ -77,6 +94,16 @@ def cmd_datasets(args) -> int:
         print(f"wrote {len(cases)} cases to {args.out}")
         return 0
     tok = AutoTokenizer.from_pretrained(prepare_default_model(lambda msg: print(msg, file=sys.stderr)))
+    if args.kind == "scbench":
+        from pqcache.eval import scbench_data
+
+        tasks = args.tasks.split(",") if args.tasks else [*scbench_data.TASKS, "realdocs"]
+        cases = scbench_data.synthetic(tok, [t for t in tasks if t != "realdocs"], args.lengths, args.n, args.turns,
+                                       args.seed)  # fmt: skip
+        cases += scbench_data.realdoc_conversations() if "realdocs" in tasks else []
+        scbench_data.write(cases, args.out)
+        print(f"wrote {len(cases)} conversations ({sum(len(c['multi_turns']) for c in cases)} turns) to {args.out}")
+        return 0
     if args.kind == "niah":
         cases = datasets.niah(tok, args.lengths, args.depths, args.query_aware, natural=args.natural, seed=args.seed)
     else:

@@ -91,6 +91,13 @@ class Conversation:
         self.ids.extend(int(t) for t in ids[0])
         return logits
 
+    def question_ids(self, question: str) -> torch.Tensor:
+        """(1, Q): what ask(question) reads after the cache (the first question's part, or a follow-up's)."""
+        prompt = self.session.prompt
+        if any(t.kind == "question" for t in self.turns):
+            return prompt.ids(prompt.follow_up(question, self.open_user_turn))
+        return prompt.question_ids(question)
+
     # ---- turns ---------------------------------------------------------------------------------------------
     @torch.no_grad()
     def ask(
@@ -113,8 +120,7 @@ class Conversation:
         if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
             raise InputError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
         prompt, session = self.session.prompt, self.session
-        asked = any(t.kind == "question" for t in self.turns)
-        q_ids = prompt.ids(prompt.follow_up(question, self.open_user_turn)) if asked else prompt.question_ids(question)
+        q_ids = self.question_ids(question)
         self._check_room(q_ids.shape[1] + max_new_tokens, "this question and its answer")
         before = len(self.ids)
         for layer in self.cache.pq_layers:  # the budget follows the conversation: split anew for its length
@@ -161,6 +167,19 @@ class Conversation:
         answer.attended, answer.missed = highlights(spans, tally)
         answer.done = True
         return answer
+
+    @torch.no_grad()
+    def tell(self, question: str, answer: str, stop: threading.Event | None = None):
+        """Keep a turn whose answer is given, not generated (SCBench's multi-turn mode: each turn sees the earlier
+        turns' golden answers): its question part and the answer are read into the cache, nothing is decoded."""
+        prompt = self.session.prompt
+        asked = any(t.kind == "question" for t in self.turns)
+        part = prompt.follow_up(question, self.open_user_turn) if asked else prompt.question(question)
+        ids = prompt.ids(part + " " + answer.strip())
+        self._check_room(ids.shape[1], "this turn")
+        self._read(ids, stop)
+        self.open_user_turn = False
+        self.turns.append(Turn("question", question, answer.strip(), int(ids.shape[1])))
 
     @torch.no_grad()
     def add_document(self, text: str, name: str = "a document", stop: threading.Event | None = None) -> int:

@@ -65,8 +65,7 @@ class SessionPool:
         self.max_bytes, self.idle_s, self.clock = max_bytes, idle_s or None, clock
         self.entries: dict[str, Entry] = {}
         self.lock = threading.RLock()
-        self._reaper: threading.Thread | None = None
-        self._closing = threading.Event()
+        self._reaper: IdleReaper | None = None
 
     # ---- bookkeeping -----------------------------------------------------------------------------
     def entry(self, user: str) -> Entry:
@@ -247,21 +246,28 @@ class SessionPool:
             return note
 
     def start_reaper(self, every_s: float = 5.0):
-        """A daemon thread calling reap() every `every_s` seconds (> 0); none when idle_s is None (or 0), as
-        reap() would never free anything."""
-        if self._reaper is not None or not self.idle_s:
-            return
-        if not every_s > 0:  # wait(0) returns at once: the loop would spin
-            raise ValueError(f"every_s must be a number of seconds > 0, got {every_s!r}")
-
-        def loop():
-            while not self._closing.wait(every_s):
-                self.reap()
-
-        self._reaper = threading.Thread(target=loop, name="pqcache-reaper", daemon=True)
-        self._reaper.start()
+        """An IdleReaper calling reap() every `every_s` seconds (> 0); none when idle_s is None (or 0), as reap()
+        would never free anything."""
+        if self._reaper is None and self.idle_s:
+            self._reaper = IdleReaper(self, every_s)
+            self._reaper.start()
 
     def close(self):
-        self._closing.set()
+        if self._reaper is not None:
+            self._reaper.closing.set()
         for user in list(self.entries):
             self.end(user)
+
+
+class IdleReaper(threading.Thread):
+    """A daemon thread calling pool.reap() every `every_s` seconds until `closing` is set."""
+
+    def __init__(self, pool: SessionPool, every_s: float):
+        if not every_s > 0:  # wait(0) returns at once: the loop would spin
+            raise ValueError(f"every_s must be a number of seconds > 0, got {every_s!r}")
+        super().__init__(name="pqcache-reaper", daemon=True)
+        self.pool, self.every_s, self.closing = pool, every_s, threading.Event()
+
+    def run(self):
+        while not self.closing.wait(self.every_s):
+            self.pool.reap()
