@@ -74,6 +74,26 @@ def test_an_added_document_gets_its_own_codebook_and_is_searched():
     assert (picked < session.n_tokens).any()  # and into the first
 
 
+def test_the_long_output_rebuild_keeps_working_in_a_conversation():
+    """rebuild_every re-clusters every token so far (document, earlier turns, an added document) into one codebook
+    while the conversation goes on; at a full budget the answers stay full attention's."""
+    model = tiny_model("llama")
+    session = loaded(model, token_budget=1.0, rebuild_every=3)
+    talk = Conversation(session, "pqcache")
+    talk.ask("what is w3", max_new_tokens=4)
+    talk.add_document(SECOND, "second.txt")
+    talk.ask("what is v7", max_new_tokens=4)
+    talk.cache.wait()
+    index = talk.cache.pq_layers[0].method_state["index"]
+    assert index.stats["rebuilds"] >= 2 and len(index.segments) == 1  # the added document's segment folded in
+    assert index.segments[0][0] == 0
+    before = len(talk.ids)
+    question = talk.question_ids("and w7")[0].tolist()
+    third = talk.ask("and w7", max_new_tokens=4)
+    assert talk.ids[before : before + len(question)] == question
+    assert greedy(model, session.doc_ids + talk.ids[: before + len(question)], 4) == third.tokens
+
+
 def test_fork_branches_and_reset_goes_back_to_the_document():
     model = tiny_model("llama")
     session = loaded(model, token_budget=0.2)
@@ -164,3 +184,25 @@ def test_cli_chat_reads_the_document_once_and_answers_each_line(tmp_path, capsys
     bad = ["chat", "--model", str(tmp_path / "model"), "--context-file", str(tmp_path / "bin.txt")]
     assert main(bad) == 2
     assert "error: bin.txt looks like a binary file" in capsys.readouterr().err
+
+
+def test_the_readme_conversation_runs_as_written_on_the_bundled_model(real_model, monkeypatch, capsys):
+    """The README's conversation example, executed as written on the bundled model (loaded once per run): the
+    follow-up repeats the first answer, the added document is answered from, and each printed line is what its
+    comment says."""
+    import re
+    from pathlib import Path
+
+    import pqcache
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text(encoding="utf-8")
+    code = re.search(r"```python\n(.*?)```", readme[readme.index("### Conversations") :], re.S).group(1)
+    monkeypatch.setattr(pqcache, "load_model", lambda *a, **k: real_model)
+    monkeypatch.chdir(root)
+    exec(compile(code, "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    said = [c.split("#", 1)[1].strip() for c in code.splitlines() if c.startswith("print(") and "#" in c]
+    assert len(printed) == len(said) == 4
+    for line, comment in zip(printed, said):
+        assert comment.startswith(f'"{line}"') or comment == line, (line, comment)

@@ -136,6 +136,7 @@ def say(text: str, max_new_tokens: int = 200, eos=frozenset()):
         (" 4721.\nAnswer: 4722.\nAnswer:", " 4721."),
         ("\n\n In the third oak tree.\n\nSeptember 2017", "\n\n In the third oak tree."),  # leading blanks are kept
         (" Barley and rye.\nThey sell it on Saturday.\n\nThe town", " Barley and rye.\nThey sell it on Saturday."),
+        (" In the third oak tree.\nQuestion\n\nWhere", " In the third oak tree."),  # a label cut short: not kept
     ],
 )
 def test_the_answer_ends_at_the_end_of_answer_without_the_stop_text(said, answer):

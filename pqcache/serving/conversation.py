@@ -2,12 +2,12 @@
 earlier turns' questions and answers, so a follow-up sees what was asked and answered before it; nothing is read
 twice.
 
-    conversation = session.conversation()          # the document's prefill is kept in the session
+    conversation = Conversation(session, "pqcache")  # on a loaded DocumentSession; its prefill is kept there
     conversation.ask("What is the default quality setting of cjpeg?").text
-    conversation.ask("What is the range of that setting?").text   # sees the first turn
-    branch = conversation.fork()                   # a copy that goes its own way
-    conversation.add_document(text, "second.txt")  # read once into this conversation, asked about next
-    conversation.reset()                           # back to the document alone
+    conversation.ask("What is the range of that setting?").text     # sees the first turn
+    branch = conversation.fork()                     # a copy that goes its own way
+    conversation.add_document(text, "second.txt")    # read once into this conversation, asked about next
+    conversation.reset()                             # back to the document alone
 
 A turn's question is read as one chunk after the cache (short ones take codes from the existing centroids; one of at
 least `turn_min_tokens`, an added document, gets a K-Means codebook of its own, built in the background as the

@@ -28,10 +28,18 @@ class StopRule:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def _stop_text_at(self, text: str) -> int:
-        """Where the first stop text starts in `text` (after its leading blanks), or -1."""
+        """Where the first stop text starts in `text` (after its leading blanks), or -1. A line that began a stop
+        text and was cut short by another ("\nQuestion" then a blank line) is part of the stop, not the answer."""
         start = len(text) - len(text.lstrip())
         found = [i for i in (text.find(s, start) for s in self.stop_texts) if i >= 0]
-        return min(found, default=-1)
+        at = min(found, default=-1)
+        if at > start:
+            before = text[start:at]
+            begun = [
+                n for s in self.stop_texts if s.startswith("\n") for n in range(2, len(s)) if before.endswith(s[:n])
+            ]
+            at -= max(begun, default=0)
+        return at
 
     def _tokens_before(self, tokens: list[int], chars: int) -> int:
         """The most leading tokens whose text stays within the first `chars` characters."""
