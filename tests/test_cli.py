@@ -234,10 +234,13 @@ def test_datasets_and_eval_end_to_end(cli, tmp_path):
 def test_eval_bad_input_messages(cli, tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "x"}\n')
+    one = tmp_path / "one.jsonl"
+    one.write_text(json.dumps({"context": "c", "multi_turns": [{"input": "q", "answer": "a"}]}) + "\n")
     for args, message in [
         (["--cases", str(bad)], "missing context, question, answers"),
         (["--cases", str(bad), "--methods", "full,nope"], "unknown method(s) nope"),
         ([], "give --cases"),
+        (["--format", "scbench", "--cases", str(one), "--scbench-mode", "added-document"], "at least two cases"),
     ]:
         proc = cli("eval", *args)
         assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr

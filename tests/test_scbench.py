@@ -79,7 +79,7 @@ def test_multi_turn_keeps_the_golden_answers_and_multi_request_none(monkeypatch)
     rows = scbench.run_case(model, WordTokenizer(), CASE, ["pqcache"], config, "both", 3)  # one read, two modes
     assert [(r["mode"], r["turn"]) for r in rows] == [(m, t) for m in scbench.MODES for t in (0, 1)]
     assert told == [("what is w3", "t5"), ("and w9", "t7, t8")]
-    with pytest.raises(ValueError, match="--scbench-mode must be one of multi-turn, multi-request or both"):
+    with pytest.raises(ValueError, match="must be one of multi-turn, multi-request, both or added-document"):
         scbench.run_case(model, WordTokenizer(), CASE, ["pqcache"], config, "every", 3)
 
 
@@ -104,3 +104,28 @@ def test_real_document_conversations_are_one_per_licence():
         for turn in c["multi_turns"]:
             groups = turn["answer"] if isinstance(turn["answer"][0], list) else [turn["answer"]]
             assert any(a.lower() in c["context"].lower() for a in groups[0])
+
+
+def test_added_document_mode_adds_the_context_to_another_conversation(monkeypatch):
+    """The case's context read into a conversation over another case (its first turn kept), beside the same turns
+    on the context alone; at a full budget PQCache answers as full attention there too."""
+    from pqcache.serving.conversation import Conversation
+
+    added = []
+    real = Conversation.add_document
+    monkeypatch.setattr(Conversation, "add_document", lambda self, text, name="", stop=None: (
+        added.append((self.n_tokens, name)), real(self, text, name))[1])  # fmt: skip
+    other = {**CASE, "id": "c0", "context": " ".join(f"v{(3 * i) % 29}" for i in range(200))}
+    config = PQCacheConfig(token_budget=1.0, n_init=4, bits=4, kmeans_iters=3)
+    rows = scbench.run_case(model := tiny_model("llama"), WordTokenizer(), CASE, ["full", "pqcache"], config,
+                            scbench.ADDED, 4, first=other)  # fmt: skip
+    assert [(r["mode"], r["method"], r["turn"]) for r in rows] == [
+        (mode, m, t) for mode in ("multi-request", scbench.ADDED) for m in ("full", "pqcache") for t in (0, 1)
+    ]
+    assert [name for _, name in added] == ["c1", "c1"] and all(n > 200 for n, _ in added)  # after the first turn
+    alone, joined = ([r for r in rows if r["mode"] == mode] for mode in ("multi-request", scbench.ADDED))
+    assert all(j["context_tokens"] > a["context_tokens"] for a, j in zip(alone, joined))
+    for t in (0, 1):
+        assert len({r["prediction"] for r in joined if r["turn"] == t}) == 1
+    with pytest.raises(ValueError, match="needs another case"):
+        scbench.run_case(model, WordTokenizer(), CASE, ["pqcache"], config, scbench.ADDED, 4)

@@ -149,10 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--scbench-mode",
-        choices=["multi-turn", "multi-request", "both"],
+        choices=["multi-turn", "multi-request", "both", "added-document"],
         default="multi-turn",
         help="scbench: each turn sees the earlier turns with their golden answers (multi-turn) or the context alone "
-        "(multi-request); both: the two on one read of each context",
+        "(multi-request); both: the two on one read of each context; added-document: each context added to a "
+        "conversation over the previous case's, beside multi-request on it alone",
     )
     e.add_argument(
         "--max-length",

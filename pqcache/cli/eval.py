@@ -27,6 +27,9 @@ def cmd_eval(args) -> int:
         from pqcache.eval import scbench as sc
 
         cases = sc.load_cases(args.cases) if args.mode is None else None
+        if args.scbench_mode == sc.ADDED and cases is not None and len(cases) < 2:
+            raise ValueError(f"--scbench-mode {sc.ADDED} adds each case's context to a conversation over the "
+                             "previous case's: give at least two cases")  # fmt: skip
     else:
         cases = evaluate.load_cases(args.cases, args.format) if args.mode is None else None
     config = config_of(args)
@@ -56,9 +59,12 @@ def cmd_eval(args) -> int:
     rows = []
     out = open(args.out, "w", encoding="utf-8") if args.out else None
     try:
-        for case in tqdm(cases, desc="cases", file=sys.stderr):
+        for i, case in enumerate(tqdm(cases, desc="cases", file=sys.stderr)):
             if scbench:  # a row per turn (--max-new-tokens: the task's own length unless given)
-                case_rows = sc.run_case(model, tok, case, methods, config, args.scbench_mode, args.max_new_tokens)
+                first = cases[i - 1] if args.scbench_mode == sc.ADDED else None  # added to the previous case
+                case_rows = sc.run_case(
+                    model, tok, case, methods, config, args.scbench_mode, args.max_new_tokens, first=first
+                )
             else:
                 n_new = args.max_new_tokens or EVAL_MAX_NEW
                 case_rows = evaluate.run_case(model, tok, case, methods, config, n_new, args.max_length)

@@ -7,6 +7,10 @@ list of accepted strings (vt: the variables, every one of which must be named).
   multi-turn     turn t sees the context, every earlier turn's input and its golden answer, then its own input
                  (a Conversation: each turn answered on a fork of it, then the golden turn kept in it)
   multi-request  every turn sees the context alone (each question on a fork of the document)
+  added-document the context arrives mid-conversation: a conversation over the set's previous case's context (its
+                 first turn kept with its golden answer) reads this context with `add_document` (a K-Means codebook
+                 of its own), then each turn is asked on a fork of that; the multi-request rows of the same case,
+                 loaded alone, are made beside them (the comparison the mode is for)
 
 The context is read once per case (DocumentSession.load, with the prefill queries SnapKV and its kin start from);
 every method answers on forks of it. The prompt is the project's (pqcache/serving/prompt.py: the document, then
@@ -24,6 +28,7 @@ from pqcache.eval.case_formats import CaseError
 
 MODES = ("multi-turn", "multi-request")
 BOTH = "both"  # the two modes on one read of the context
+ADDED = "added-document"  # the context added to a conversation over another one, beside multi-request
 MAX_NEW_TOKENS = {"kv": 24, "passkey": 12, "vt": 30, "prefix_suffix": 24}  # SCBench's are longer: 150, 15, 30, 150
 DEFAULT_MAX_NEW = 32
 
@@ -71,14 +76,23 @@ def golden(answer) -> str:
     return ", ".join(a[0] if isinstance(a, list) else str(a) for a in answer)
 
 
-def run_case(model, tokenizer, case: dict, methods: list[str], config, mode: str, max_new_tokens=None) -> list[dict]:
-    """Every method on every turn of `case`, in `mode` (or both, on one read of the context) -> rows {id, task,
-    turn, method, mode, score, answer, prediction, tokens, seconds, context_tokens}."""
+def run_case(
+    model, tokenizer, case: dict, methods: list[str], config, mode: str, max_new_tokens=None, first: dict | None = None
+) -> list[dict]:
+    """Every method on every turn of `case`, in `mode` (or both, on one read of the context; added-document: the
+    case `first` is the conversation it is added to) -> rows {id, task, turn, method, mode, score, answer,
+    prediction, tokens, seconds, context_tokens}."""
     from pqcache.serving.conversation import Conversation
     from pqcache.serving.session import DocumentSession
 
-    if mode not in (*MODES, BOTH):
-        raise ValueError(f"--scbench-mode must be one of {', '.join(MODES)} or {BOTH}, got {mode!r}")
+    if mode not in (*MODES, BOTH, ADDED):
+        raise ValueError(f"--scbench-mode must be one of {', '.join(MODES)}, {BOTH} or {ADDED}, got {mode!r}")
+    if mode == ADDED:
+        if first is None:
+            raise ValueError(f"{ADDED} needs another case to add this one to")
+        return run_case(model, tokenizer, case, methods, config, MODES[1], max_new_tokens) + _added(
+            model, tokenizer, case, first, methods, config, max_new_tokens
+        )
     session = DocumentSession(model, tokenizer, config, method=methods[0], keep_queries=True)
     session.load(case["context"])
     n_new = max_new_tokens or MAX_NEW_TOKENS.get(case["task"], DEFAULT_MAX_NEW)
@@ -97,19 +111,50 @@ def run_case(model, tokenizer, case: dict, methods: list[str], config, mode: str
                     finally:
                         branch.close()
                     talk.tell(turn["input"], golden(turn["answer"]))
-                rows.append(
-                    {
-                        "id": case["id"], "task": case["task"], "turn": t, "method": method, "mode": each_mode,
-                        "score": score(case["task"], answer.text, turn["answer"]), "answer": turn["answer"],
-                        "prediction": answer.text, "tokens": len(answer.tokens),
-                        "seconds": round(time.perf_counter() - t0, 3), "context_tokens": session.n_tokens,
-                    }
-                )  # fmt: skip
+                rows.append(_row(case, t, method, each_mode, answer, t0, session.n_tokens))
             if talk is not None:
                 talk.close()
     finally:
         session.close()
     return rows
+
+
+def _added(model, tokenizer, case: dict, first: dict, methods: list[str], config, max_new_tokens) -> list[dict]:
+    """The added-document rows: `first`'s context loaded, its first turn kept, `case`'s context added, each of
+    `case`'s turns asked on a fork of that conversation."""
+    from pqcache.serving.conversation import Conversation
+    from pqcache.serving.session import DocumentSession
+
+    session = DocumentSession(model, tokenizer, config, method=methods[0], keep_queries=True)
+    session.load(first["context"])
+    n_new = max_new_tokens or MAX_NEW_TOKENS.get(case["task"], DEFAULT_MAX_NEW)
+    rows = []
+    try:
+        for method in methods:
+            talk = Conversation(session, method)
+            talk.tell(first["multi_turns"][0]["input"], golden(first["multi_turns"][0]["answer"]))
+            talk.add_document(case["context"], case["id"])
+            for t, turn in enumerate(case["multi_turns"]):
+                t0, branch = time.perf_counter(), talk.fork()
+                try:
+                    answer = branch.ask(turn["input"], max_new_tokens=n_new)
+                finally:
+                    branch.close()
+                rows.append(_row(case, t, method, ADDED, answer, t0, talk.n_tokens))
+            talk.close()
+    finally:
+        session.close()
+    return rows
+
+
+def _row(case: dict, t: int, method: str, mode: str, answer, t0: float, context_tokens: int) -> dict:
+    turn = case["multi_turns"][t]
+    return {
+        "id": case["id"], "task": case["task"], "turn": t, "method": method, "mode": mode,
+        "score": score(case["task"], answer.text, turn["answer"]), "answer": turn["answer"],
+        "prediction": answer.text, "tokens": len(answer.tokens), "seconds": round(time.perf_counter() - t0, 3),
+        "context_tokens": context_tokens,
+    }  # fmt: skip
 
 
 def summarize(rows: list[dict]) -> list[dict]:
