@@ -1,6 +1,7 @@
 """Reliability through the Python API: bad input, cancellation, clustering-worker faults, many users."""
 
 import gc
+import os
 import threading
 import time
 
@@ -458,3 +459,38 @@ def test_reaper_thread_frees_idle_sessions(model):
         assert s.cache is None and "after 0.2 s without a request" in pool.notice("ann")
     finally:
         pool.close()
+
+
+def test_a_second_start_waits_for_the_first_ones_model_conversion(tmp_path, monkeypatch):
+    """Two processes preparing the bundled model at once (the app and the tests on a fresh machine): the second
+    waits on $PQCACHE_HOME's lock while the first converts, then uses that conversion instead of redoing it over
+    the first one's files (it once died inside transformers' GGUF reader, the GGUF removed under it)."""
+    import subprocess
+    import sys
+
+    from pqcache.serving import loading
+
+    monkeypatch.setenv("PQCACHE_HOME", str(tmp_path))
+    target = loading.default_model_dir()
+    holder = subprocess.Popen(  # another process, in the middle of a conversion: it holds the lock
+        [sys.executable, "-c", "import sys, pqcache.serving.loading as l\nwith l.home_lock():\n"
+         "    print('locked', flush=True); sys.stdin.readline()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PQCACHE_HOME": str(tmp_path)},
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        monkeypatch.setattr(loading, "_convert", lambda target, progress: pytest.fail("converted a second time"))
+        waiter = threading.Thread(target=lambda: got.append(loading.prepare_default_model(lambda msg: None)))
+        got: list = []
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not got  # waiting on the lock, not converting
+        target.mkdir(parents=True)  # the first process's conversion lands
+        for name in ("model.safetensors", "tokenizer.json"):
+            (target / name).write_text("x")
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        waiter.join(60)
+        assert got == [target]
+    finally:
+        holder.kill()

