@@ -2,7 +2,7 @@
 
 python app.py [--host 127.0.0.1] [--port 7860] [--model default|PATH] [--dtype float32|bfloat16|auto]
               [--decode-weights int8|auto|int4|model] [--concurrency 2] [--max-cache-gib G] [--idle-minutes 30]
-              [--max-document-tokens N] [--pq-timeout 120]
+              [--max-document-tokens N] [--pq-timeout 120] [--store DIR | --no-store] [--store-gib G]
               [--ray auto|local|HOST:PORT --replicas N --replica-cpus 1]
 
 Tabs: Document Q&A (upload or paste, prefill once, streamed answers, live cache panels), Teaching
@@ -12,7 +12,9 @@ and launches the page; the tabs are in studio/, the engine in pqcache/, the figu
 
 Many users: every browser tab (or gradio_client) is a user with its own document cache in a
 SessionPool (one memory cap, least recently used idle caches evicted, idle caches freed, a closed
-tab's cache freed); the model is shared and model work queues with a visible position.
+tab's cache freed); the model is shared and model work queues with a visible position. A loaded document's cache is
+saved in the document store (pqcache/serving/store.py) and read back, with no prefill, when the same text is loaded
+again with the same model and settings, after a reload or a restart too.
 
 Several machines (--ray): the Q&A documents live on N Ray Serve replicas of the document worker (each its own
 model and session pool, --max-cache-gib and --concurrency each), this process serves the page and keeps every user
@@ -52,6 +54,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="host memory for all users' document caches (default: a quarter of RAM, at most 8)",
     )
     p.add_argument(
+        "--store",
+        default=None,
+        metavar="DIR",
+        help="the document store: each loaded document's cache kept on disk, read back when the same text is loaded "
+        "again with the same model and settings (default: $PQCACHE_HOME/documents)",
+    )
+    p.add_argument("--no-store", action="store_true", help="read every document from its text; keep none on disk")
+    p.add_argument(
+        "--store-gib", type=float, default=None, help="the store's size cap (default: a quarter of the free disk)"
+    )
+    p.add_argument(
         "--idle-minutes", type=float, default=30, help="free a user's caches after this long idle (0: never)"
     )
     p.add_argument(
@@ -84,6 +97,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if not args.idle_minutes >= 0:
         p.error(f"--idle-minutes must be 0 (never) or more, got {args.idle_minutes:g}")
+    if args.store_gib is not None and not args.store_gib > 0:
+        p.error(f"--store-gib must be more than 0 (--no-store keeps no documents), got {args.store_gib:g}")
+    if args.no_store and args.store:
+        p.error("--store and --no-store: choose one")
     if args.replicas < 1 or not args.replica_cpus > 0:
         p.error(
             f"--replicas must be 1 or more and --replica-cpus more than 0, got {args.replicas}, {args.replica_cpus:g}"
@@ -95,6 +112,15 @@ def cache_bytes(args: argparse.Namespace) -> int:
     """--max-cache-gib in bytes (default: a quarter of this machine's RAM, at most 8 GiB)."""
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     return int((args.max_cache_gib if args.max_cache_gib is not None else min(8.0, ram / 4 / 2**30)) * 2**30)
+
+
+def make_store(args: argparse.Namespace):
+    """The document store the flags ask for (None with --no-store or --ray: replicas keep no store yet)."""
+    if args.no_store or args.ray:
+        return None
+    from pqcache.serving.store import DocumentStore
+
+    return DocumentStore(args.store, None if args.store_gib is None else int(args.store_gib * 2**30))
 
 
 def make_pool(args: argparse.Namespace) -> SessionPool:
@@ -131,6 +157,7 @@ def main(argv: list[str] | None = None):
         max_document_tokens=args.max_document_tokens,
         max_question_chars=args.max_question_chars or None,
         documents=documents,
+        store=make_store(args),
     )
     idle = f"idle caches freed after {args.idle_minutes:g} min" if pool.idle_s else "idle caches kept"
     where = f"on each of {args.replicas} Ray replicas" if args.ray else "in this process"

@@ -21,11 +21,12 @@ class Studio:
     # where the Q&A tab's documents live: None builds the in-process worker around model and pool; a Ray
     # cluster's client (pqcache.cluster) has the same calls
     documents: object = None
+    store: object = None  # a DocumentStore the in-process worker reads documents from and saves them to
 
     def __post_init__(self):
         if self.documents is None:
             self.documents = DocumentWorker(
-                self.model, self.tokenizer, self.pool, self.pq_timeout_s, self.max_document_tokens
+                self.model, self.tokenizer, self.pool, self.pq_timeout_s, self.max_document_tokens, self.store
             )
 
     @property

@@ -48,8 +48,13 @@ def loaded_line(session) -> str:
     )
     figures = ""
     if info:
+        read = (
+            f" Read from the document store in **{info['read_s']:.2f} s** (no prefill)"
+            if info.get("from") == "store"
+            else f" Prefill **{info['prefill_s']:.2f} s**"
+        )
         figures = (
-            f" Prefill **{info['prefill_s']:.2f} s**; PQ on layers {layers}; device KV "
+            f"{read}; PQ on layers {layers}; device KV "
             f"{info['device_kv_bytes'] / 2**20:.1f} MiB, host KV {info['host_kv_bytes'] / 2**20:.1f} MiB, "
             f"PQ {info['pq_bytes'] / 2**10:.0f} KiB"
             + (f", prefill queries {info['query_bytes'] / 2**20:.1f} MiB" if info.get("query_bytes") else "")
@@ -58,6 +63,7 @@ def loaded_line(session) -> str:
     return (
         f"Loaded **{session.n_tokens}** tokens of **{getattr(session, 'name', 'the document')}**, "
         f"the active document (method {session.method}).{figures}{cut}{notices(info)}"
+        + (f"\n\n**Notice:** the document was {info['store_note']}" if info.get("store_note") else "")
     )
 
 

@@ -132,7 +132,7 @@ def launch_app(*flags):
     """`python app.py` launched as a user launches it, on a free localhost port; yields its URL."""
     from pqcache.bench.app_process import running_app
 
-    with running_app(*flags) as (url, _):
+    with running_app("--no-store", *flags) as (url, _):  # the pages' tests read each document from its text
         yield url
 
 

@@ -324,3 +324,23 @@ def test_a_text_file_without_a_known_extension_is_read(chat_model_dir, capsys, t
         capsys, "--model", str(chat_model_dir), "--context-file", str(tmp_path / "photo")
     )
     assert code == 2 and "photo: unsupported file type" in err
+
+
+def test_generate_reads_the_document_from_the_store_the_second_time(cli, tmp_path):
+    """`generate --store DIR`: the first run prefills and saves the document, the second reads it back (no
+    prefill) and answers token for token the same; --json says how the document was read."""
+    runs = []
+    for _ in range(2):
+        proc = cli(
+            "generate", "--context-file", str(PASSKEY), "--question", QUESTION, "--max-new-tokens", "8", "--json",
+            "--store", str(tmp_path / "documents"),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["document"]["from"] == "prefill" and second["document"]["from"] == "store"
+    assert second["document"]["seconds"] > 0 and "note" not in second["document"]
+    assert second["tokens"] == first["tokens"] and second["text"] == first["text"]
+    assert len(list((tmp_path / "documents").iterdir())) == 1
+    plain = generate_json(cli, "pqcache", 8)  # no --store: every run prefills, and says so
+    assert plain["document"]["from"] == "prefill" and plain["tokens"] == first["tokens"]

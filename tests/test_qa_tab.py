@@ -310,3 +310,24 @@ def test_a_conversation_past_the_models_context_says_so_and_offers_a_new_one(tab
     assert chat[-1]["content"].startswith("*") or "tokens in" in chat[-1]["content"]  # it still answers
     tab.new_conversation(request=ANN)
     assert tab.add_to_conversation(str(big), "", "utf-8", "pqcache", request=ANN).startswith("Added")
+
+
+def test_a_document_loaded_again_is_read_from_the_store_and_the_line_says_so(tmp_path):
+    """With a store (app.py's default), the second load of the same text, as after a page reload, reads it back
+    with no prefill; the status line says so and with what time; the answers are the first load's."""
+    from pqcache.serving.store import DocumentStore
+    from studio import Studio
+    from studio.qa import QATab
+
+    pool = SessionPool(max_bytes=2**30, idle_s=None)
+    tab = QATab(Studio(tiny_model("llama"), WordTokenizer(), pool, pq_timeout_s=60, store=DocumentStore(tmp_path)))
+    try:
+        first = load(tab)[-1][0]
+        assert "Prefill **" in first and "document store" not in first
+        said = ask(tab)[-1][0][-1]["content"].split("\n")[0]  # the answer, without its timing line
+        second = load(tab)[-1][0]
+        assert second.startswith("Loaded **300** tokens") and "Read from the document store in **" in second
+        assert "(no prefill)" in second and "Prefill **" not in second
+        assert ask(tab)[-1][0][-1]["content"].split("\n")[0] == said
+    finally:
+        pool.close()

@@ -58,6 +58,23 @@ def test_block_cache_is_rounded_to_the_configured_block_size():
     assert replace(LoadSettings(), capacity=40).to_config(block_size=64).block_cache_tokens == 0  # under one block
 
 
+# ---- the document store's flags ----------------------------------------------------------------------------------
+def test_the_store_flags_choose_where_documents_are_kept(tmp_path, monkeypatch, capsys):
+    import app
+
+    monkeypatch.setenv("PQCACHE_HOME", str(tmp_path))
+    store = app.make_store(app.parse_args([]))  # on by default, under PQCACHE_HOME
+    assert store.root == tmp_path / "documents" and store.cap_bytes > 0
+    store = app.make_store(app.parse_args(["--store", str(tmp_path / "elsewhere"), "--store-gib", "0.5"]))
+    assert store.root == tmp_path / "elsewhere" and store.cap_bytes == 2**29
+    assert app.make_store(app.parse_args(["--no-store"])) is None
+    for bad, said in [(["--store-gib", "0"], "--store-gib must be more than 0"), (["--no-store", "--store", "x"],
+                      "choose one")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            app.parse_args(bad)
+        assert said in capsys.readouterr().err
+
+
 # ---- --idle-minutes 0 -------------------------------------------------------------------------------------------
 def test_idle_minutes_zero_never_reaps_and_starts_no_reaper_thread(monkeypatch):
     import app

@@ -145,8 +145,8 @@ def app_row(text: str, model: str = "default", long_tokens: int = LONG_TOKENS) -
 
     from pqcache.bench.app_process import running_app
 
-    flags = ["--max-cache-gib", "4"] + ([] if model == "default" else ["--model", model])
-    with running_app(*flags) as (url, _):
+    flags = ["--no-store", "--max-cache-gib", "4"] + ([] if model == "default" else ["--model", model])
+    with running_app(*flags) as (url, _):  # --no-store: the load is timed as a prefill
         client = Client(url, verbose=False)
         t0 = time.perf_counter()
         status = client.predict(None, text, *LoadSettings().values(), api_name="/load_document")[0]

@@ -130,9 +130,9 @@ def run(
 
     from gradio_client import Client
 
-    with (
+    with (  # --no-store: every load is a prefill
         tempfile.TemporaryDirectory() as tmp,
-        running_app(*(app_args or [])) if url is None else external_app(url) as (url, proc),
+        running_app("--no-store", *(app_args or [])) if url is None else external_app(url) as (url, proc),
     ):
         bad_files = make_bad_files(Path(tmp))
         admin = Client(url, verbose=False)

@@ -96,7 +96,15 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")
     g.add_argument("--question", required=True, help="the question, in your own words")
     add_answer_flags(g)
-    g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, stats")
+    g.add_argument("--json", action="store_true", help="print one JSON object: text, tokens, document, stats")
+    g.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a document store: the document is read from it when it holds it for this model and settings (no "
+        "prefill), and saved to it otherwise (the app's is $PQCACHE_HOME/documents); default: none",
+    )
 
     c = sub.add_parser("chat", help="a conversation about a document: one question a line, follow-ups see the earlier")
     c.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")

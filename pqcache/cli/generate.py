@@ -28,6 +28,11 @@ def cmd_generate(args) -> int:
         args.model, device=args.device, dtype=args.dtype, progress=stderr, decode_weights=args.decode_weights
     )
     prompt = build_prompt(tok, context, args.question)
+    store = None
+    if args.store is not None:
+        from pqcache.serving.store import DocumentStore
+
+        store = DocumentStore(args.store)
     printed = [0]
 
     def stream(text):  # print each new piece of the answer as it is decoded
@@ -42,6 +47,7 @@ def cmd_generate(args) -> int:
         config=config,
         max_new_tokens=args.max_new_tokens,
         on_token=None if args.json else stream,
+        store=store,
     )
     if args.json:
         print(
@@ -50,6 +56,7 @@ def cmd_generate(args) -> int:
                     "text": result.text,
                     "tokens": result.tokens,
                     "ended": result.ended,
+                    "document": result.document,
                     "sources": result.sources,
                     "stats": result.stats,
                 }
@@ -64,9 +71,12 @@ def cmd_generate(args) -> int:
                 f'"{quote}"'
             )
         s = result.stats
+        if result.document and result.document.get("note"):
+            print(f"note: the document was {result.document['note']}", file=sys.stderr)
         print(
             f"[{s['method']}] ended: {result.ended}; prompt {s['prompt_tokens']} tokens, "
-            f"prefill {s['prefill_s']:.2f} s, "
+            + ("read from the store in " if (result.document or {}).get("from") == "store" else "prefill ")
+            + f"{s['prefill_s']:.2f} s, "
             f"{s['s_per_token'] * 1e3:.1f} ms/token, device KV {s['device_kv_bytes'] / 2**20:.1f} MiB, "
             f"host KV {s['host_kv_bytes'] / 2**20:.1f} MiB, PQ {s['pq_bytes'] / 2**10:.1f} KiB",
             file=sys.stderr,

@@ -16,6 +16,7 @@ from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import InputError
 from pqcache.engine.methods import METHODS
 from pqcache.engine.sources import AttentionTally
+from pqcache.serving.hooks import layer_hooks
 from pqcache.serving.stopping import StopRule
 
 
@@ -59,6 +60,31 @@ def prefill(
 
 
 @torch.no_grad()
+def prefill_document(model, ids: torch.Tensor, cache, lock, progress=None, stop=None) -> float:
+    """A document's prefill into `cache` under `lock`, then the wait for its K-Means: progress(fraction, message)
+    after each layer of each chunk (0 to 0.9) and each clustered layer (0.9 to 1); a set `stop` raises Cancelled
+    at the next layer or during the wait. Returns the prefill's seconds."""
+    n_layers, chunk = len(cache.layers), [0, 1]  # the prefill chunk running, of how many
+
+    def on_chunk(i, n):
+        chunk[:] = [i, n]
+
+    def on_layer(idx):
+        i, n = chunk
+        where = f"layer {idx + 1}/{n_layers}" + (f", chunk {i + 1}/{n}" if n > 1 else "")
+        progress(0.9 * (i + (idx + 1) / n_layers) / n, f"prefill: {ids.shape[1]} tokens, {where}")
+
+    with lock, layer_hooks(model, None if progress is None else on_layer, stop):
+        t0 = time.perf_counter()
+        prefill(model, ids, cache, on_chunk=on_chunk)
+        seconds = time.perf_counter() - t0
+    for i, layer in enumerate(cache.pq_layers):
+        if progress is not None:
+            progress(0.9 + 0.1 * i / max(1, len(cache.pq_layers)), f"clustering layer {layer.layer_idx}")
+        layer.wait_pq(stop)
+    return seconds
+
+
 def decode_one_token(model, token: torch.Tensor, cache) -> torch.Tensor:
     """token (B, 1) -> next-token logits (B, V): the model's forward, or the same step without the forward's
     masks and plumbing where fastpath/step.py applies (bit-identical logits)."""
@@ -156,6 +182,7 @@ class Generation:
     # the passages of the prompt's document its attention read most (pqcache.serving.sources): {"start", "end",
     # "text", "share"}, highest share first, character ranges in the user's document (prompt.source)
     sources: list[dict] = field(default_factory=list)
+    document: dict | None = None  # {"from": "prefill" | "store", "seconds", "note"?} when the prompt has a document
 
 
 def generate(
@@ -167,6 +194,7 @@ def generate(
     max_new_tokens: int = 32,
     on_token=None,
     sources: bool = True,
+    store=None,
 ) -> Generation:
     """Greedy answer to `prompt` (a pqcache.serving.prompt.Prompt: its stop rule ends the answer; or a plain
     string, which ends at EOS, a repetition loop or max_new_tokens); on_token(text_so_far) after each token.
@@ -174,7 +202,9 @@ def generate(
     A Prompt with a document runs as the app runs it: the document part is prefilled (and its PQ built), then the
     question part as a second chunk, then the answer; every method, full attention too, is a PQCache over the
     same tiers, and the answer's sources come with it. A plain string is one prefill (full attention: transformers'
-    DynamicCache). sources=False: no tally of the attention (what the sources cost: `bench app`)."""
+    DynamicCache). sources=False: no tally of the attention (what the sources cost: `bench app`). store: a
+    DocumentStore the document part is read from when it holds it (no prefill), and saved to otherwise;
+    `Generation.document` says which, and in how long."""
     if max_new_tokens < 1:
         raise InputError("max_new_tokens must be >= 1")
     device = next(model.parameters()).device
@@ -187,17 +217,31 @@ def generate(
     parts = [ids.to(device) for ids in parts]
     cache = PQCache(model, config or PQCacheConfig(), method=method) if document else make_cache(model, method, config)
     t0 = time.perf_counter()
-    logits = prefill(model, parts[0], cache)
+    stored, read_from, note = None, "prefill", None
+    if document and store is not None:
+        from pqcache.serving.store import keep_stored, read_stored
+
+        stored = read_stored(store, model, tokenizer, config or PQCacheConfig(), method, False, parts[0][0].tolist())
+    if stored is not None and stored[0] is not None:  # the document read back: no prefill, no K-Means
+        cache.close()
+        cache, read_from = stored[0], "store"
+    else:
+        logits = prefill(model, parts[0], cache)
     tally = None
     if document:  # the document is cached: its PQ is built before the question, as a session's load waits for it
         cache.wait()
-        tally = cache.tally_sources(AttentionTally(parts[0].shape[1])) if sources else None
         prefill_s = time.perf_counter() - t0
+        if stored is not None and read_from == "prefill":  # kept for the next time (a failure is said, not raised)
+            note = keep_stored(store, stored[1], cache, parts[0][0].tolist(), prompt.source) or stored[3]
+        tally = cache.tally_sources(AttentionTally(parts[0].shape[1])) if sources else None
+        t0 = time.perf_counter() - prefill_s  # the question's time starts here, after the save
         logits = prefill(model, parts[1], cache)
     else:
         prefill_s = time.perf_counter() - t0
     first_s = time.perf_counter() - t0 - prefill_s
     out = Generation()
+    if document:  # how the document was read: prefilled, or from the store (seconds: either, K-Means included)
+        out.document = {"from": read_from, "seconds": round(prefill_s, 4), **({"note": note} if note else {})}
     show = None if on_token is None else (lambda tokens: on_token(tokenizer.decode(tokens, skip_special_tokens=True)))
     t1 = time.perf_counter()
     eos = eos_token_ids(model, tokenizer)

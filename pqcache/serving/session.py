@@ -26,10 +26,11 @@ from pqcache.engine.methods import make_method
 from pqcache.engine.sources import AttentionTally
 from pqcache.serving.documents import check_text
 from pqcache.serving.footprint import document_bytes, read_queries
-from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
+from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill, prefill_document
 from pqcache.serving.hooks import layer_hooks
 from pqcache.serving.prompt import PromptBuilder
 from pqcache.serving.sources import highlights, passages
+from pqcache.serving.store import keep_stored, read_stored
 
 ANSWER_ROOM = 512  # tokens kept free for the question and the answer
 
@@ -77,21 +78,20 @@ class DocumentSession:
         method: str = "pqcache",
         max_tokens: int | None = None,
         keep_queries: bool = False,
+        store=None,
     ):
         """max_tokens: the longest document accepted (default: what the model reads, less ANSWER_ROOM). The load keeps
         the prefill's queries only for a method that starts from them (SnapKV, PyramidKV, H2O, InfLLM: 4x the keys'
         bytes for the bundled model); a question with such a method on a document loaded without them reads the
         document once more for them (ensure_queries). keep_queries: keep them at load whatever the method (a caller
-        that will ask with several methods, as the Teaching tab does)."""
-        self.model, self.tokenizer = model, tokenizer
+        that will ask with several methods, as the Teaching tab does). store: a DocumentStore (serving/store.py) that
+        a load reads its cache from when it holds this text for this model and settings, and saves it to otherwise."""
+        self.model, self.tokenizer, self.max_tokens = model, tokenizer, max_tokens
         self.prompt = PromptBuilder(tokenizer)  # the document part is cached, each question runs after it
-        self.max_tokens = max_tokens
-        self.config = config or PQCacheConfig()
-        self.method = method
-        self.keep_queries = keep_queries
+        self.config, self.method, self.keep_queries, self.store = config or PQCacheConfig(), method, keep_queries, store
+        self.read_from, self.read_s = "prefill", 0.0  # how the loaded document was read, and in how long
         self.cache: PQCache | None = None
-        self.n_tokens = 0
-        self.prefill_s = 0.0
+        self.n_tokens, self.prefill_s = 0, 0.0
         self.prefill_obs: Instrumentation | None = None
         self.truncated: tuple[int, int] | None = None  # (tokens kept, document tokens) after a middle cut
         self.last_stats: dict | None = None
@@ -142,36 +142,37 @@ class DocumentSession:
             cache.close()
             raise
         self.close()  # the new document replaces the old one
+        stored = None
+        if self.store is not None:
+            stored = read_stored(self.store, self.model, self.tokenizer, self.config, self.method, self.keep_queries,
+                                 ids[0].tolist())  # fmt: skip
+        if stored is not None and stored[0] is not None:  # read back from the store: no prefill, no K-Means
+            cache.close()
+            return self._loaded(stored[0], ids, n_doc, text, "store", stored[2], stored[3])
         obs = cache.instrument(timeline=True)
-        n_layers = len(cache.layers)
-        chunk = [0, 1]  # the prefill chunk running, of how many (generate.prefill)
-
-        def on_chunk(i, n):
-            chunk[:] = [i, n]
-
-        def on_layer(idx):
-            i, n = chunk
-            where = f"layer {idx + 1}/{n_layers}" + (f", chunk {i + 1}/{n}" if n > 1 else "")
-            progress(0.9 * (i + (idx + 1) / n_layers) / n, f"prefill: {ids.shape[1]} tokens, {where}")
-
         try:
-            with self.lock, layer_hooks(self.model, None if progress is None else on_layer, stop):
-                t0 = time.perf_counter()
-                prefill(self.model, ids, cache, on_chunk=on_chunk)
-                self.prefill_s = time.perf_counter() - t0
-            for i, layer in enumerate(cache.pq_layers):
-                if progress is not None:
-                    progress(0.9 + 0.1 * i / max(1, len(cache.pq_layers)), f"clustering layer {layer.layer_idx}")
-                layer.wait_pq(stop)
+            self.prefill_s = prefill_document(self.model, ids, cache, self.lock, progress, stop)
         except BaseException:
             cache.close()
             raise
-        self.cache, self.n_tokens, self.prefill_obs = cache, int(ids.shape[1]), obs
+        info = self._loaded(cache, ids, n_doc, text, "prefill", self.prefill_s, stored and stored[3], obs)
+        if stored is not None:  # saved for the next load of this text (a failure is said, the document stays)
+            note = keep_stored(self.store, stored[1], cache, self.doc_ids, text, self.truncated)
+            info["store_note"] = note or info["store_note"]
+        return info
+
+    def _loaded(self, cache, ids, n_doc: int, text: str, read_from: str, seconds: float, note, obs=None) -> dict:
+        """The loaded document's state, and load()'s answer: tokens, how it was read and the cache's figures."""
+        self.cache, self.n_tokens = cache, int(ids.shape[1])
+        self.prefill_obs = obs if obs is not None else cache.instrument(timeline=True)
+        self.prefill_s = seconds if read_from == "prefill" else 0.0
+        self.read_from, self.read_s = read_from, seconds
         self.doc_ids = ids[0].tolist()
         self.truncated = (self.n_tokens, n_doc) if self.n_tokens < n_doc else None
         self.doc_text, self._spans = text, None
         self.spans()  # each position's characters, for the answers' sources (a second tokenization, with offsets)
-        return {"tokens": self.n_tokens, "document_tokens": n_doc, "prefill_s": self.prefill_s, **cache.stats()}
+        info = {"tokens": self.n_tokens, "document_tokens": n_doc, "prefill_s": self.prefill_s, "from": read_from}
+        return {**info, "read_s": seconds, "store_note": note, **cache.stats()}
 
     def ensure_queries(self, method, stop: threading.Event | None = None) -> float:
         """Give the loaded document its prefill queries if `method` starts from them and the load kept none

@@ -30,9 +30,11 @@ class DocumentWorker:
         pool: SessionPool,
         pq_timeout_s: float | None = 120.0,
         max_document_tokens: int | None = None,
+        store=None,
     ):
+        """store: a DocumentStore (serving/store.py) each load reads from and saves to; None: every load prefills."""
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
-        self.pq_timeout_s, self.max_document_tokens = pq_timeout_s, max_document_tokens
+        self.pq_timeout_s, self.max_document_tokens, self.store = pq_timeout_s, max_document_tokens, store
 
     # ---- the pool's bookkeeping, as the tab uses it ---------------------------------------------------
     def entry(self, user: str):
@@ -75,7 +77,7 @@ class DocumentWorker:
         and the previous document, if kept, stays active."""
         config = settings.to_config(pq_timeout_s=self.pq_timeout_s)
         session = DocumentSession(
-            self.model, self.tokenizer, config, method=settings.method, max_tokens=self.max_document_tokens
+            self.model, self.tokenizer, config, settings.method, self.max_document_tokens, store=self.store
         )
         session.name = name
         if progress is not None:

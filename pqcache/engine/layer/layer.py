@@ -156,12 +156,7 @@ class PQLayer(CacheLayerMixin):
     def finish_prefill(self, valid: torch.Tensor, query: torch.Tensor | None = None, scaling: float = 1.0):
         """valid (B, S) bool: real (not padding) tokens of the prefill; query (B, Hq, S, D) its queries.
         Splits the tiers and lets the method start its work (PQ: K-Means in the background)."""
-        self.host.valid[:, : valid.shape[1]] = valid.to(self.device)
-        self.scaling, self.method_state, self.prefilled = scaling, {}, True
-        self.split_tiers()
-        if self.keep_queries and query is not None:
-            self.prefill_q = query.to("cpu")
-        self.method.on_prefill(self.view(), query, scaling)
+        start_layer(self, valid, query, scaling)
 
     def split_tiers(self):
         """Sinks, window ring, top-k buffer and block cache for the current method and tokens."""
@@ -235,6 +230,21 @@ class PQLayer(CacheLayerMixin):
             "pq_bytes": self.method.device_bytes(self.view()),
             "query_bytes": queries,
         }
+
+
+def start_layer(layer: PQLayer, valid: torch.Tensor, query, scaling: float, parent_state: dict | None = None):
+    """A layer holding its prefill's tokens, made ready to decode: flags, tiers, the method started. parent_state:
+    a method state these tokens already have (a cache read back from the store, engine/snapshot.py), which the
+    method starts from as a fork's does (PQ: the saved codes, no K-Means); None: from scratch."""
+    layer.host.valid[:, : valid.shape[1]] = valid.to(layer.device)
+    layer.scaling, layer.method_state, layer.prefilled = scaling, {}, True
+    layer.split_tiers()
+    if layer.keep_queries and query is not None:
+        layer.prefill_q = query.to("cpu")
+    if parent_state is None:
+        layer.method.on_prefill(layer.view(), query, scaling)
+    else:
+        layer.method.on_fork(layer.view(), parent_state, query, scaling)
 
 
 def fork_layer(layer: PQLayer, method: Method, executor: Executor, config: PQCacheConfig) -> PQLayer:
