@@ -177,6 +177,20 @@ def test_bench_conversation_times_each_turn_beside_a_re_prefill(cli):
     assert summary["reprefill_over_turn3"] > 0 and summary["turn3_over_turn1"] > 0
 
 
+def test_bench_store_reads_a_document_back_and_answers_the_same(cli, tmp_path):
+    """`bench store` on a 1.2K passkey document: the load, the save, a cold and a warm read from the store, bytes a
+    token on disk and in the cache, and the same first answer after the prefill and after each read."""
+    proc = cli("bench", "store", "--seq-lens", "1200", "--store-dir", str(tmp_path), "--json")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = json.loads(proc.stdout)["rows"]
+    assert row["seq_len"] == 1200 and row["same_answer"] is True, row
+    assert row["load_s"] > 0 and row["save_s"] > 0 and row["cold_read_s"] > 0 and row["warm_read_s"] > 0
+    assert row["cold"] in ("page cache dropped", "fresh file")
+    assert row["load_over_cold"] == round(row["load_s"] / row["cold_read_s"], 1)
+    assert row["disk_bytes_tok"] > 0.9 * row["cache_bytes_tok"] > 0  # the disk holds the cache, no more than needed
+    assert list(tmp_path.iterdir()) == []  # its temporary store is gone
+
+
 def test_bench_app_puts_the_apps_objects_beside_generate(cli, tmp_path, monkeypatch):
     """`bench app` on a 1K document: each runner in its own process answers the fact right and times its load, its
     first token and its decode; the session's row has the ratios against generate and the observer's share,

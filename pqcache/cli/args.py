@@ -116,7 +116,18 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     b.add_argument(
         "which",
-        choices=["attention", "decode", "ttft", "memory", "blockcache", "e2e", "kernels", "app", "conversation"],
+        choices=[
+            "attention",
+            "decode",
+            "ttft",
+            "memory",
+            "blockcache",
+            "e2e",
+            "kernels",
+            "app",
+            "conversation",
+            "store",
+        ],  # fmt: skip
     )
     b.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=None)
     b.add_argument("--repeats", type=int, default=None)
@@ -126,7 +137,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--rerank", type=int, default=None, help="attention: re-rank factor (default: the config's)")
     b.add_argument("--new-tokens", type=int, default=None, help="blockcache (256), conversation (16): tokens generated")
     b.add_argument("--turns", type=int, default=6, help="conversation: turns on one read of the document")
-    b.add_argument("--model", default="default", help="ttft, blockcache: the model")
+    b.add_argument("--model", default="default", help="ttft, blockcache, conversation, store: the model")
+    b.add_argument("--store-dir", default=None, help="store: where its temporary store lives (default: the temp dir)")
     b.add_argument("--device", default="auto")
     add_dtype_flags(b)
     b.add_argument(

@@ -16,6 +16,7 @@ TITLES = {
     "kernels": "the kernels of one decode step (bundled model's shapes), torch's and native, against the memory",
     "conversation": "a conversation's turns on one read of the document, PQCache and full attention, budget 1/10; "
     "reprefill: the document and the earlier turns read again (a fresh PQCache) for that turn",
+    "store": "a document read from the document store against its load (prefill, K-Means), bundled model",
 }
 
 
@@ -63,6 +64,11 @@ def cmd_bench(args) -> int:
         )
         if args.which == "ttft":
             rows = bench_model.bench_ttft(model, tok, **kw)
+        elif args.which == "store":
+            from pqcache.bench.store import bench_store
+
+            kw.pop("repeats", None)
+            rows = bench_store(model, tok, root=args.store_dir, **kw)
         elif args.which == "conversation":
             from pqcache.bench.conversation import bench_conversation
 
