@@ -178,3 +178,35 @@ def test_a_snapshot_refuses_an_unfinished_or_degraded_cache_and_another_model():
     session.cache.pq_layers[0].fall_back("a test")
     with pytest.raises(SnapshotError, match="degraded"):
         snapshot(session.cache)
+
+
+def test_eval_reads_each_context_once_ever_with_a_store(tmp_path):
+    """eval's two runners with a store: the second run of a case reads its context back (no forward of the
+    document) and every method's answer is the first run's; a case whose question is prefilled with its context
+    (query-aware) is not stored."""
+    from pqcache.eval import evaluate, scbench
+
+    model, store = tiny_model("llama"), DocumentStore(tmp_path)
+    forwards = []
+    model.model.register_forward_pre_hook(lambda m, a, kw: forwards.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    config, methods = PQCacheConfig(**CONFIG), ["full", "pqcache", "snapkv"]
+    case = {"id": "c", "context": TEXT, "question": "what is w3", "answers": ["t1"], "query_aware": False}
+    runs = []
+    for _ in range(2):
+        forwards.clear()
+        runs.append(evaluate.run_case(model, WordTokenizer(), case, methods, config, 3, store=store))
+        runs[-1] = (runs[-1], max(forwards))
+    (first, longest_first), (second, longest_second) = runs
+    assert longest_first >= 300 > longest_second  # the second run read no document
+    assert [r["read_from"] for r in first + second] == ["prefill"] * 3 + ["store"] * 3
+    assert [r["tokens"] for r in second] == [r["tokens"] for r in first]
+    rows = evaluate.run_case(model, WordTokenizer(), {**case, "query_aware": True}, methods, config, 3, store=store)
+    assert {r["read_from"] for r in rows} == {"prefill"} and len(store.entries()) == 1
+    conversation = {"id": "s", "task": "kv", "context": OTHER, "multi_turns": [{"input": "what is v3", "answer": "x"}]}
+    said = []
+    for _ in range(2):
+        forwards.clear()
+        rows = scbench.run_case(model, WordTokenizer(), conversation, methods, config, "both", 3, store=store)
+        said.append(([r["prediction"] for r in rows], max(forwards)))
+    assert said[0][0] == said[1][0] and said[0][1] >= 280 > said[1][1]  # the second read no document
+    assert len(store.entries()) == 2

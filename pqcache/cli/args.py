@@ -168,6 +168,14 @@ def build_parser() -> argparse.ArgumentParser:
         "SCBench's (one context, several turns: --scbench-mode; a row per turn)",
     )
     e.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a document store each case's context is read from or saved to (contexts cached alone: scbench, and "
+        "cases with query_aware false); default: none, every context prefilled",
+    )
+    e.add_argument(
         "--scbench-mode",
         choices=["multi-turn", "multi-request", "both", "added-document"],
         default="multi-turn",

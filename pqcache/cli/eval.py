@@ -57,17 +57,22 @@ def cmd_eval(args) -> int:
     from tqdm import tqdm
 
     rows = []
+    store = None
+    if args.store is not None:  # off by default, so that figures stay comparable
+        from pqcache.serving.store import DocumentStore
+
+        store = DocumentStore(args.store)
     out = open(args.out, "w", encoding="utf-8") if args.out else None
     try:
         for i, case in enumerate(tqdm(cases, desc="cases", file=sys.stderr)):
             if scbench:  # a row per turn (--max-new-tokens: the task's own length unless given)
                 first = cases[i - 1] if args.scbench_mode == sc.ADDED else None  # added to the previous case
                 case_rows = sc.run_case(
-                    model, tok, case, methods, config, args.scbench_mode, args.max_new_tokens, first=first
+                    model, tok, case, methods, config, args.scbench_mode, args.max_new_tokens, first=first, store=store
                 )
             else:
                 n_new = args.max_new_tokens or EVAL_MAX_NEW
-                case_rows = evaluate.run_case(model, tok, case, methods, config, n_new, args.max_length)
+                case_rows = evaluate.run_case(model, tok, case, methods, config, n_new, args.max_length, store)
             for row in case_rows:
                 rows.append(row)
                 if out:

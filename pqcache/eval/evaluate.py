@@ -23,6 +23,7 @@ from pqcache.eval import case_formats, case_sources, longbench, ruler_format
 from pqcache.eval.case_formats import CaseError, load_cases  # noqa: F401  (evaluate's API)
 from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
 from pqcache.serving.stopping import looping
+from pqcache.serving.store import keep_stored, read_stored
 
 # the case fields not copied into its rows (the texts, and what only the prompt or the score needs)
 NOT_IN_ROWS = ("context", "question", "answers", "needle", "prompt", "all_classes")
@@ -84,6 +85,7 @@ def run_case(
     config: PQCacheConfig,
     max_new_tokens: int = 24,
     max_length: int | None = None,
+    store=None,
 ):
     """Every method answers `case` on a fork of one prefill. The prompt is the document part, then the question
     part: the prompt builder's, or the case's own (a benchmark's framing, case_formats.framed_prompt), and the
@@ -91,7 +93,8 @@ def run_case(
     marked `truncate: middle` (LongBench) longer than `max_length` or the model's positions less the answer's
     tokens is cut in the middle (`truncated`: the tokens cut). Each row says why the answer ended (`ended`) and
     whether it ran on repeating itself (`repeating`: cut by the repetition rule, or at max_new_tokens in a
-    verbatim loop)."""
+    verbatim loop). store: a DocumentStore a case's context is read from (no prefill) or saved to, for cases whose
+    question is not prefilled with it (`query_aware: false`); each row's `read_from` says which."""
     device = next(model.parameters()).device
     max_new_tokens = int(case.get("max_new_tokens") or max_new_tokens)
     prompt = case_formats.framed_prompt(tokenizer, case)
@@ -111,9 +114,19 @@ def run_case(
     if case.get("format", "pqcache") == "pqcache":  # the builder's prompt: sources map to the context's characters
         spans, evidence = case_sources.spans_and_evidence(tokenizer, case, int(ctx_ids.shape[1]))
     t0 = time.perf_counter()
-    logits = prefill(model, prefill_ids, base)
+    stored, logits = None, None
+    if store is not None and not case.get("query_aware", True):  # the context alone is cached: it can be stored
+        stored = read_stored(store, model, tokenizer, config, "pqcache", True, ctx_ids[0].tolist())
+    if stored is not None and stored[0] is not None:
+        base.close()
+        base = stored[0]
+    else:
+        logits = prefill(model, prefill_ids, base)
     base.wait()
     prefill_s = time.perf_counter() - t0
+    if stored is not None and stored[0] is None:
+        keep_stored(store, stored[1], base, ctx_ids[0].tolist(), case["context"])
+    read_from = "store" if stored is not None and stored[0] is not None else "prefill"
     eos = eos_token_ids(model, tokenizer)
     extra = {k: v for k, v in case.items() if k not in NOT_IN_ROWS}
     rows = []
@@ -141,6 +154,7 @@ def run_case(
                 "ended": decoded.ended,
                 "repeating": decoded.ended == "repetition" or (decoded.ended == "max_new_tokens" and looping(tokens)),
                 "prefill_s": round(prefill_s, 3),
+                "read_from": read_from,
                 "decode_s": round(decode_s, 3),
                 "tokens": tokens,
                 **case_sources.row_fields(case["context"], spans, tally, evidence),

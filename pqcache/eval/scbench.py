@@ -77,11 +77,19 @@ def golden(answer) -> str:
 
 
 def run_case(
-    model, tokenizer, case: dict, methods: list[str], config, mode: str, max_new_tokens=None, first: dict | None = None
+    model,
+    tokenizer,
+    case: dict,
+    methods: list[str],
+    config,
+    mode: str,
+    max_new_tokens=None,
+    first: dict | None = None,
+    store=None,
 ) -> list[dict]:
     """Every method on every turn of `case`, in `mode` (or both, on one read of the context; added-document: the
     case `first` is the conversation it is added to) -> rows {id, task, turn, method, mode, score, answer,
-    prediction, tokens, seconds, context_tokens}."""
+    prediction, tokens, seconds, context_tokens}. store: a DocumentStore each context is read from or saved to."""
     from pqcache.serving.conversation import Conversation
     from pqcache.serving.session import DocumentSession
 
@@ -90,10 +98,10 @@ def run_case(
     if mode == ADDED:
         if first is None:
             raise ValueError(f"{ADDED} needs another case to add this one to")
-        return run_case(model, tokenizer, case, methods, config, MODES[1], max_new_tokens) + _added(
-            model, tokenizer, case, first, methods, config, max_new_tokens
+        return run_case(model, tokenizer, case, methods, config, MODES[1], max_new_tokens, store=store) + _added(
+            model, tokenizer, case, first, methods, config, max_new_tokens, store
         )
-    session = DocumentSession(model, tokenizer, config, method=methods[0], keep_queries=True)
+    session = DocumentSession(model, tokenizer, config, method=methods[0], keep_queries=True, store=store)
     session.load(case["context"])
     n_new = max_new_tokens or MAX_NEW_TOKENS.get(case["task"], DEFAULT_MAX_NEW)
     rows = []
@@ -119,13 +127,13 @@ def run_case(
     return rows
 
 
-def _added(model, tokenizer, case: dict, first: dict, methods: list[str], config, max_new_tokens) -> list[dict]:
+def _added(model, tokenizer, case: dict, first: dict, methods: list[str], config, max_new_tokens, store) -> list[dict]:
     """The added-document rows: `first`'s context loaded, its first turn kept, `case`'s context added, each of
     `case`'s turns asked on a fork of that conversation."""
     from pqcache.serving.conversation import Conversation
     from pqcache.serving.session import DocumentSession
 
-    session = DocumentSession(model, tokenizer, config, method=methods[0], keep_queries=True)
+    session = DocumentSession(model, tokenizer, config, method=methods[0], keep_queries=True, store=store)
     session.load(first["context"])
     n_new = max_new_tokens or MAX_NEW_TOKENS.get(case["task"], DEFAULT_MAX_NEW)
     rows = []
