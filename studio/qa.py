@@ -20,13 +20,15 @@ from studio.sources import choices as source_choices
 from studio.sources import document_view
 from studio.state import Studio
 from studio.status import StatusBook
+from studio.your_documents import DocumentListHandlers
 
 NO_DOCUMENT = "Load a document first."
 
 
-class QATab(LoadHandlers, ConversationHandlers):
-    """The Q&A tab's handlers (loading a document: studio/qa_load.py; its conversation: studio/conversing.py); each
-    user's document lives in the worker's pool, in its "qa" slot: this process's pool, or a Ray replica's."""
+class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
+    """The Q&A tab's handlers (loading a document: studio/qa_load.py; its conversation: studio/conversing.py; the
+    browser's list of its documents: studio/your_documents.py); each user's document lives in the worker's pool, in
+    its "qa" slot: this process's pool, or a Ray replica's."""
 
     def __init__(self, studio: Studio):
         self.studio = studio

@@ -16,6 +16,7 @@ from studio.qa import QATab
 from studio.qa_load import SAMPLE
 from studio.sources import SCROLL_JS, VIEW_ID, document_view
 from studio.status import NOTHING
+from studio.your_documents import NONE_YET, browser_secret
 
 HOW_TO = (
     "**How to use:** 1. attach a file or paste text (or press **Try a sample**); 2. press **Load document**: the "
@@ -72,8 +73,10 @@ def load_label(file, pasted):
     return gr.update(value="Load document")
 
 
-def build_qa_tab(tab: QATab, methods: list[str]):
+def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     d = LoadSettings()  # the form's defaults
+    # outside any accordion: a closed one mounts its components only when opened, and the page reads the list at once
+    listing = gr.BrowserState([], storage_key="pqcache-documents", secret=browser_secret())
     gr.Markdown(how_to(), elem_id="how-to")
     with gr.Row():
         with gr.Column(scale=2):
@@ -104,6 +107,12 @@ def build_qa_tab(tab: QATab, methods: list[str]):
             with gr.Row():
                 load = gr.Button("Load document", variant="secondary", elem_id="load")
                 unload = gr.Button("Unload", elem_id="unload")
+            stored = tab.studio.store is not None  # with a store: the documents this browser loaded, to reopen
+            with gr.Accordion("Your documents", open=False, elem_id="your-documents", visible=stored):
+                listed = gr.Dropdown([], label="documents this browser loaded", info=NONE_YET, elem_id="listed")
+                with gr.Row():
+                    reopen = gr.Button("Open", size="sm", elem_id="reopen")
+                    forget = gr.Button("Delete from the store", size="sm", variant="stop", elem_id="forget")
             status = gr.Markdown(NOTHING, elem_id="doc-status")
             chat = gr.Chatbot(label="Answers", height=300, elem_id="chat")
             question = gr.Textbox(label="Question", placeholder="Ask about the document", elem_id="question")
@@ -157,12 +166,17 @@ def build_qa_tab(tab: QATab, methods: list[str]):
     one_progress = dict(show_progress="minimal", show_progress_on=[status])  # the status line is the progress
     for button in (load, sample):  # at once, in the browser: the status line says the load has begun
         button.click(None, None, [status], js=f"() => {json.dumps(STARTING)}", queue=False, api_name=False)
+    remembered = dict(fn=tab.remember, inputs=[listing], outputs=[listing, listed], api_name=False)
     load.click(
         tab.load_document, [file, pasted, *settings], shown, api_name="load_document", **one_progress, **model_work
-    )
+    ).then(**remembered)
     sample.click(
         tab.load_sample, settings, [*shown, examples_box], api_name="load_sample", **one_progress, **model_work
-    )
+    ).then(**remembered)
+    reopen.click(
+        tab.reopen, [listed, listing, *settings], shown, api_name="reopen_document", **one_progress, **model_work
+    ).then(**remembered)
+    forget.click(tab.forget, [listed, listing], [listing, listed], api_name="delete_document", concurrency_limit=None)
     for trigger in (file.change, pasted.change):
         trigger(load_label, [file, pasted], [load], queue=False, show_progress="hidden", api_name=False)
     asking = [question, chat, method, max_new, layer]
@@ -199,3 +213,4 @@ def build_qa_tab(tab: QATab, methods: list[str]):
     notice.change(lambda line: line, [notice], [status], api_name=False, queue=False, show_progress="hidden")
     timer.tick(tab.server_line, None, [server], api_name=False, concurrency_limit=None, show_progress="hidden")
     gr.api(tab.server_status, api_name="server_status", concurrency_limit=None)
+    return listing, listed  # the page fills the list from the browser's storage when it opens (studio/ui.py)

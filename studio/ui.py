@@ -22,12 +22,13 @@ def build_ui(studio: Studio) -> gr.Blocks:
             "product-quantization search picks, and see what the cache did."
         )
         with gr.Tab("Document Q&A"):
-            build_qa_tab(qa, methods)
+            listing, listed = build_qa_tab(qa, methods)
         with gr.Tab("Teaching"):
             build_teaching_tab(teaching, methods)
         with gr.Tab("Cost model"):
             cost_outputs = build_cost_tab()
         demo.load(lambda: cost(*DEFAULT), None, cost_outputs, api_name=False, show_progress="hidden")
+        demo.load(qa.shown_list, [listing], [listed], api_name=False, show_progress="hidden")
         demo.unload(qa.end_user)  # a closed tab frees its caches
     return demo
 

@@ -132,7 +132,8 @@ def launch_app(*flags):
     """`python app.py` launched as a user launches it, on a free localhost port; yields its URL."""
     from pqcache.bench.app_process import running_app
 
-    with running_app("--no-store", *flags) as (url, _):  # the pages' tests read each document from its text
+    store = [] if "--store" in flags else ["--no-store"]  # the pages' tests read each document from its text
+    with running_app(*store, *flags) as (url, _):
         yield url
 
 

@@ -331,3 +331,34 @@ def test_a_document_loaded_again_is_read_from_the_store_and_the_line_says_so(tmp
         assert ask(tab)[-1][0][-1]["content"].split("\n")[0] == said
     finally:
         pool.close()
+
+
+def test_your_documents_lists_reopens_from_the_store_and_deletes(tmp_path):
+    """The browser's list of its documents (what gr.BrowserState keeps): a load adds the document, a reopen reads it
+    back from the store with no prefill, a delete removes it from the store and the list; a listing the store no
+    longer holds says so in one line, and the active document stays."""
+    from pqcache.serving.store import DocumentStore
+    from studio import Studio
+    from studio.qa import QATab
+
+    pool, store = SessionPool(max_bytes=2**30, idle_s=None), DocumentStore(tmp_path)
+    tab = QATab(Studio(tiny_model("llama"), WordTokenizer(), pool, pq_timeout_s=60, store=store))
+    try:
+        load(tab)
+        listing, shown = tab.remember([], request=ANN)
+        (entry,) = listing
+        assert entry["tokens"] == 300 and shown["choices"] == [(f"{entry['name']} (300 tokens)", entry["key"])]
+        load(tab, text=" ".join(f"v{i % 37}" for i in range(200)))
+        listing, _ = tab.remember(listing, request=ANN)
+        assert [e["tokens"] for e in listing] == [200, 300]  # the newest first
+        lines = [out[0] for out in outputs(tab.reopen(entry["key"], listing, *LoadSettings().values(), request=ANN))]
+        assert lines[-1].startswith("Loaded **300** tokens") and "Read from the document store" in lines[-1]
+        listing, _ = tab.remember(listing, request=ANN)
+        assert [e["tokens"] for e in listing] == [300, 200]
+        listing, shown = tab.forget(entry["key"], listing, request=ANN)
+        assert [e["tokens"] for e in listing] == [200] and not store.has(entry["key"])
+        gone = outputs(tab.reopen(entry["key"], [entry], *LoadSettings().values(), request=ANN))
+        assert len(gone) == 1 and gone[0][0].startswith("Loaded **300** tokens")  # still active, nothing reloaded
+        assert tab.remember([{"key": 3}, "junk"], request=ANN)[0][0]["tokens"] == 300  # a tampered list is cleaned
+    finally:
+        pool.close()

@@ -90,6 +90,7 @@ class DocumentSession:
         self.prompt = PromptBuilder(tokenizer)  # the document part is cached, each question runs after it
         self.config, self.method, self.keep_queries, self.store = config or PQCacheConfig(), method, keep_queries, store
         self.read_from, self.read_s = "prefill", 0.0  # how the loaded document was read, and in how long
+        self.store_key = None  # the loaded document's entry in the store, when it has one
         self.cache: PQCache | None = None
         self.n_tokens, self.prefill_s = 0, 0.0
         self.prefill_obs: Instrumentation | None = None
@@ -142,10 +143,9 @@ class DocumentSession:
             cache.close()
             raise
         self.close()  # the new document replaces the old one
-        stored = None
-        if self.store is not None:
-            stored = read_stored(self.store, self.model, self.tokenizer, self.config, self.method, self.keep_queries,
-                                 ids[0].tolist())  # fmt: skip
+        args = (self.model, self.tokenizer, self.config, self.method, self.keep_queries, ids[0].tolist())
+        stored = None if self.store is None else read_stored(self.store, *args)
+        self.store_key = None if stored is None else self.store.key(stored[1])
         if stored is not None and stored[0] is not None:  # read back from the store: no prefill, no K-Means
             cache.close()
             return self._loaded(stored[0], ids, n_doc, text, "store", stored[2], stored[3])
@@ -158,7 +158,7 @@ class DocumentSession:
         info = self._loaded(cache, ids, n_doc, text, "prefill", self.prefill_s, stored and stored[3], obs)
         if stored is not None:  # saved for the next load of this text (a failure is said, the document stays)
             note = keep_stored(self.store, stored[1], cache, self.doc_ids, text, self.truncated)
-            info["store_note"] = note or info["store_note"]
+            self.store_key, info["store_note"] = None if note else self.store_key, note or info["store_note"]
         return info
 
     def _loaded(self, cache, ids, n_doc: int, text: str, read_from: str, seconds: float, note, obs=None) -> dict:
@@ -206,7 +206,7 @@ class DocumentSession:
         """Free the document cache (the session can load another document)."""
         if self.cache is not None:
             self.cache.close()
-        self.cache, self.prefill_obs, self.n_tokens = None, None, 0
+        self.cache, self.prefill_obs, self.n_tokens, self.store_key = None, None, 0, None
         self.last_stats = None  # an answer's statistics belong to the document it answered
 
     @torch.no_grad()

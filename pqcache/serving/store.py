@@ -4,6 +4,7 @@ An entry is a folder under the store's root (default $PQCACHE_HOME/documents), n
 
     <key>/tensors.safetensors   the cache's tensors (engine/snapshot.py): keys, values, PQ codes and centroids,
                                 the sliding-window layers' windows
+    <key>/document.txt          the document's text (what a reopen from the app's "Your documents" reads)
     <key>/manifest.json         token ids, the model's and the tokenizer's fingerprints, the settings that shaped
                                 the cache, the text's hash, sizes, creation and last-use times
 
@@ -30,7 +31,7 @@ import torch
 from pqcache.engine.errors import InputError
 
 FORMAT = 1
-TENSORS, MANIFEST = "tensors.safetensors", "manifest.json"
+TENSORS, MANIFEST, TEXT = "tensors.safetensors", "manifest.json", "document.txt"
 KEY_SETTINGS = ("m", "bits", "metric", "opq", "seed", "kmeans_iters", "n_init")  # what shapes the saved cache
 
 
@@ -134,6 +135,15 @@ class DocumentStore:
             pass
         return tensors, manifest
 
+    def text(self, key: str) -> str:
+        """The text an entry was made from (StoreError when the entry is gone or has none)."""
+        if not key or "/" in key or key.startswith("."):
+            raise StoreError("not a document of the store")
+        try:
+            return (self.root / key / TEXT).read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            raise StoreError("that document is no longer in the store") from None
+
     def entries(self) -> list[dict]:
         """Every readable manifest, most recently used first (each with its `key`)."""
         out = []
@@ -146,7 +156,7 @@ class DocumentStore:
         return sorted(out, key=lambda m: m.get("last_used", 0), reverse=True)
 
     # ---- writing -----------------------------------------------------------------------------------------------
-    def save(self, key: str, tensors: dict, manifest: dict) -> int:
+    def save(self, key: str, tensors: dict, manifest: dict, text: str | None = None) -> int:
         """Write an entry (a temporary folder, then a rename). Returns its bytes on disk; StoreError when the store
         cannot be written (read-only, full). An entry already there (another writer was first) is kept."""
         from safetensors.torch import save_file
@@ -157,6 +167,8 @@ class DocumentStore:
         try:
             tmp.mkdir(parents=True)
             save_file(tensors, tmp / TENSORS)
+            if text is not None:
+                (tmp / TEXT).write_text(text, encoding="utf-8")
             size = (tmp / TENSORS).stat().st_size
             now = time.time()
             self._write_manifest(tmp, {**manifest, "bytes": size, "created": now, "last_used": now})
@@ -229,7 +241,7 @@ def keep_stored(store: DocumentStore, described: dict, cache, ids: list[int], te
             "for": described, "cache": meta, "ids": ids, "tokens": len(ids),
             "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "truncated": truncated,
         }  # fmt: skip
-        store.save(store.key(described), tensors, manifest)
+        store.save(store.key(described), tensors, manifest, text)
     except (StoreError, SnapshotError) as exc:
         return f"not saved to the store: {exc}"
     return None

@@ -1,0 +1,102 @@
+"""Your documents: the documents this browser loaded, kept in the browser (gr.BrowserState, in its localStorage),
+each one click to reopen from the document store (serving/store.py: no prefill when the load form's settings shape
+the cache as they did) or to delete from it.
+
+The server keeps no list of anyone's documents: the listing lives in the browser that loaded them, and a document
+is reopened by its store key, a hash of its model, settings and token ids that only a browser which loaded it holds.
+The browser's copy is encrypted with a secret kept in $PQCACHE_HOME (made once), so it reads back after a restart.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import gradio as gr
+
+from pqcache.serving.settings import LoadSettings
+from studio.common import user_of
+
+MAX_LISTED = 20  # documents a browser lists, the most recent first
+NONE_YET = "Documents you load are listed here, to reopen without reading them again."
+SOME = "Open reads one back from the store (no prefill, with the settings it was loaded with)."
+
+
+def browser_secret() -> str:
+    """The key BrowserState encrypts the listing with: one per PQCACHE_HOME, kept across restarts (a new random
+    one at each start would make every browser's listing unreadable after a restart)."""
+    from pqcache.serving.loading import pqcache_home
+
+    path = pqcache_home() / "browser_secret"
+    try:
+        return path.read_text().strip()
+    except OSError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        value = secrets.token_hex(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(value)
+        return value
+
+
+def _clean(listing) -> list[dict]:
+    """What the browser sent back, as entries (anything else dropped: the browser's storage is the user's)."""
+    ok = [e for e in (listing or []) if isinstance(e, dict) and isinstance(e.get("key"), str)]
+    tokens = [e.get("tokens") if isinstance(e.get("tokens"), int) else 0 for e in ok]
+    return [{"key": e["key"], "name": str(e.get("name", "a document")), "tokens": n} for e, n in zip(ok, tokens)]
+
+
+def choices(listing) -> dict:
+    entries = _clean(listing)
+    labels = [(f"{e['name']} ({e['tokens']:,} tokens)", e["key"]) for e in entries]
+    return gr.update(choices=labels, value=None, info=SOME if entries else NONE_YET)
+
+
+class DocumentListHandlers:
+    """QATab's handlers of the Your documents list (they use its studio, pool, status book and _load)."""
+
+    def remember(self, listing, request: gr.Request):
+        """After a load: the active document at the top of this browser's list, when the store holds it."""
+        session = self.pool.session(user_of(request))
+        key = getattr(session, "store_key", None)
+        entries = [e for e in _clean(listing) if e["key"] != key]
+        if key:
+            entries.insert(0, {"key": key, "name": getattr(session, "name", "a document"), "tokens": session.n_tokens})
+        entries = entries[:MAX_LISTED]
+        return entries, choices(entries)
+
+    def shown_list(self, listing):
+        """The list's choices when the page opens (the browser's stored listing)."""
+        return choices(listing)
+
+    def reopen(
+        self, key, listing, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long,
+        request: gr.Request,
+    ):  # fmt: skip
+        """Load a listed document again, from its text kept in the store (its cache read back, no prefill, when the
+        form's settings shape it as they did). Yields what a load yields."""
+        from pqcache.serving.store import StoreError
+
+        user, skip = user_of(request), (gr.skip(),) * 6
+        entry = next((e for e in _clean(listing) if e["key"] == key), None)
+        store = self.studio.store
+        if store is None or entry is None:
+            gr.Warning("Choose one of your documents first." if store is not None else "This app keeps no store.")
+            yield self.status.line(user), *skip
+            return
+        try:
+            text = store.text(key)
+        except StoreError as exc:
+            gr.Warning(f"{entry['name']}: {exc}; load it from its file again.")
+            yield self.status.line(user), *skip
+            return
+        settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long)
+        yield from self._load(user, entry["name"], lambda enc: text, settings)
+
+    def forget(self, key, listing, request: gr.Request):
+        """Delete a listed document from the store and from this browser's list (a loaded copy stays loaded)."""
+        entries = _clean(listing)
+        if self.studio.store is not None and any(e["key"] == key for e in entries):
+            self.studio.store.delete(key)
+        entries = [e for e in entries if e["key"] != key]
+        return entries, choices(entries)
