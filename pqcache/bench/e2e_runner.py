@@ -19,17 +19,14 @@ import statistics
 import sys
 import time
 
+from pqcache.bench.procfs import proc_write
+
 WARMUP_TOKENS = 128
 
 
 def reset_peak_rss() -> bool:
     """Reset this process's VmHWM to its current RSS (Linux >= 4.0); False where it cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+    return proc_write("/proc/self/clear_refs", "5")
 
 
 def peak_rss_bytes() -> int:

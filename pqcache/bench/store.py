@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from pqcache.bench.model import _ids
+from pqcache.bench.procfs import proc_write
 from pqcache.engine.config import PQCacheConfig
 
 QUESTION = "What is the pass key?"
@@ -25,12 +26,7 @@ QUESTION = "What is the pass key?"
 
 def drop_page_cache() -> bool:
     """Ask the kernel to drop clean page-cache pages (root, and a kernel that allows it); False where refused."""
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1\n")
-        return True
-    except OSError:
-        return False
+    return proc_write("/proc/sys/vm/drop_caches", "1\n")
 
 
 def _fresh_copy(store, key: str) -> None:
