@@ -115,7 +115,7 @@ def cache_bytes(args: argparse.Namespace) -> int:
 
 
 def make_store(args: argparse.Namespace):
-    """The document store the flags ask for (None with --no-store or --ray: replicas keep no store yet)."""
+    """This process's document store (None with --no-store, and with --ray, where the replicas keep one)."""
     if args.no_store or args.ray:
         return None
     from pqcache.serving.store import DocumentStore
@@ -199,6 +199,7 @@ def connect_ray(args: argparse.Namespace):
 def start_ray_workers(args: argparse.Namespace):
     """Deploy the replicas (each loads the model: this waits for them) and return the app's client."""
     from pqcache.cluster import launch
+    from pqcache.serving.store import default_root
 
     print(f"starting {args.replicas} document worker(s) on Ray ({args.ray})...", flush=True)
     return launch.start_workers(
@@ -212,6 +213,7 @@ def start_ray_workers(args: argparse.Namespace):
         max_document_tokens=args.max_document_tokens,
         dtype=args.dtype,
         decode_weights=args.decode_weights,
+        store_dir=None if args.no_store else str(args.store or default_root()),
     )
 
 

@@ -21,7 +21,7 @@ def describe(exc: Exception) -> str:
 
 def sentence(message: str) -> str:
     """An engine message ("your document was unloaded ...") as a sentence for the page."""
-    return message[:1].upper() + message[1:] + "."
+    return message[:1].upper() + message[1:] + ("" if message.endswith(".") else ".")
 
 
 def user_of(request) -> str:

@@ -12,7 +12,7 @@ import gradio as gr
 from pqcache import InputError
 from pqcache.serving.settings import answer_observer, check_question
 from studio.answering import stream_answer
-from studio.common import describe, user_of
+from studio.common import describe, sentence, user_of
 from studio.conversing import ON_A_CLUSTER, ConversationHandlers
 from studio.panels import PanelFeed
 from studio.qa_load import WAIT_S, LoadHandlers
@@ -160,13 +160,19 @@ class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
         return self.status.line(user), gr.update(choices=[], value=None), *self.feed(user).figures()
 
     def pool_notice(self, request: gr.Request):
-        """Polled by the page: the status line again when the server freed this user's document."""
+        """Polled by the page: the status line again when the server freed this user's document (or, on a cluster,
+        reopened it on a live replica: the line then says that first)."""
         user = user_of(request)
-        if self.pool.notice(user) is None:
+        said = self.pool.notice(user)
+        if said is None:
             return gr.skip()
-        self.feed(user).show(None)
+        line = self.status.line(user)
+        if sentence(said) not in line:  # a freed document is already named on the line; a reopen is not
+            line = f"**Notice:** {sentence(said)}\n\n{line}"
+        else:
+            self.feed(user).show(None)
         self.notices += 1  # the page updates its status line when this value changes: each notice is new
-        return f"{self.status.line(user)}<!-- notice {self.notices} -->"
+        return f"{line}<!-- notice {self.notices} -->"
 
     def refresh_panels(self, layer, window, request: gr.Request):
         feed = self.feed(user_of(request))

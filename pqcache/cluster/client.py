@@ -6,9 +6,11 @@ replica. A user's first load goes to the live replica with the fewest of this ap
 call of that user goes to that replica's handle (`home`), with the incarnation that loaded the document.
 
 Replica loss: a call that fails because the replica died, or that reaches the replica Serve started in its place
-(another incarnation), means the user's document is gone. Every user whose document lived there is told, once, "your
-document was unloaded ...; load it again" (the page's notice poll, the status line, a question), and their next load
-goes to a live replica. Users on other replicas are not affected.
+(another incarnation), means the user's document is gone from that replica. With a document store the replicas
+share (reopen.py), the user's next question or notice poll loads it again on a live replica, read back from the store
+with no prefill, and says so once. Without one, every user whose document lived there is told, once, "your document
+was unloaded ...; load it again" (the page's notice poll, the status line, a question), and their next load goes to a
+live replica. Users on other replicas are not affected.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+from pqcache.cluster.reopen import Reopener
 from pqcache.cluster.replicas import PROBE_TIMEOUT_S, ForwardedStop, Replica, ReplicaDown
 from pqcache.cluster.views import RemoteDocument, ReplicaError, error_of
 from pqcache.engine.errors import PQCacheError, SessionEvictedError
@@ -59,10 +62,13 @@ def cluster_summary(replicas: list[Replica]) -> dict:
 class ClusterDocuments:
     """The Q&A tab's worker on a Ray cluster (see the module's doc)."""
 
-    def __init__(self, handles: list):
+    def __init__(self, handles: list, shared_store: bool = False):
+        """shared_store: the replicas read and write one document store (a lost replica's users are reopened)."""
         self.replicas = [Replica(i, h) for i, h in enumerate(handles)]
+        self.reopener = Reopener(self, shared_store)
         self.homes: dict[str, Home] = {}  # user -> where their document lives (or is being loaded)
         self.lost: dict[str, str] = {}  # user -> why their document is gone, until they load or unload
+        self.lost_on: dict[str, int] = {}  # user -> the replica their document was lost with
         self.untold: set[str] = set()  # users whose page has not shown that yet
         self.entries: dict[str, UserEntry] = {}
         self.lock = threading.RLock()
@@ -100,6 +106,7 @@ class ClusterDocuments:
                 if h.replica is home.replica and h.incarnation == home.incarnation:
                     del self.homes[user]
                     self.lost[user] = LOST.format(index=home.replica.index)
+                    self.lost_on[user] = home.replica.index
                     self.untold.add(user)
 
     # ---- the user's document -----------------------------------------------------------------------------
@@ -122,6 +129,8 @@ class ClusterDocuments:
                 if "view" in reply:
                     home.document = RemoteDocument(reply["view"], self._asker(user, home))
                 return home.document
+        if user in self.lost and (document := self.reopener.reopen(user, self.lost_on.get(user))) is not None:
+            return document  # read back on a live replica; the notice poll says so
         with self.lock:
             why = self.lost.get(user)
             self.untold.discard(user)
@@ -140,7 +149,9 @@ class ClusterDocuments:
             if reply.get("lost"):
                 self._lose(home)
             else:
-                return reply["notice"]
+                return reply["notice"] or self.reopener.line(user)
+        if user in self.lost and self.reopener.reopen(user, self.lost_on.get(user)) is not None:
+            return self.reopener.line(user)
         with self.lock:
             if user in self.untold:
                 self.untold.discard(user)
@@ -160,6 +171,7 @@ class ClusterDocuments:
             home = self.homes.pop(user, None)
             self.lost.pop(user, None)
             self.untold.discard(user)
+        self.reopener.forget(user)
         if home is not None:
             try:
                 home.replica.call(op, user)
@@ -214,6 +226,7 @@ class ClusterDocuments:
                 if "view" in part:
                     home = self.homes[user]
                     home.document = RemoteDocument(part["view"], self._asker(user, home))
+                    self.reopener.remember(user, name, text, settings)
                     return home.document
         except ReplicaDown:
             home = self.homes.get(user)

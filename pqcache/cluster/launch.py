@@ -61,9 +61,11 @@ def start_workers(
     max_document_tokens: int | None = None,
     dtype: str | None = None,
     decode_weights: str = DEFAULT_DECODE_WEIGHTS,
+    store_dir: str | None = None,
 ) -> ClusterDocuments:
     """Deploy `replicas` document workers (each loads the model with `dtype` and `decode_weights`, as
-    load_model: waits until all are up) and return the client."""
+    load_model: waits until all are up) and return the client. store_dir: a document store every replica reads and
+    writes (a path every node sees); a lost replica's users are then reopened from it on a live one."""
     from ray import serve
 
     from pqcache.cluster.replica import DocumentReplica
@@ -91,13 +93,15 @@ def start_workers(
             max(1, int(replica_cpus)),
             dtype,
             decode_weights,
+            None if store_dir is None else os.path.abspath(store_dir),
         )
         for i in range(replicas)
     ]
     roster = serve.deployment(Roster).options(name="roster", ray_actor_options={"num_cpus": 0})
     serve.start(proxy_location="Disabled")
     serve.run(roster.bind(*workers), name=APP, route_prefix=None)
-    return ClusterDocuments([serve.get_deployment_handle(worker_name(i), app_name=APP) for i in range(replicas)])
+    handles = [serve.get_deployment_handle(worker_name(i), app_name=APP) for i in range(replicas)]
+    return ClusterDocuments(handles, shared_store=store_dir is not None)
 
 
 def stop_workers():

@@ -75,26 +75,26 @@ class DocumentReplica:
         threads: int = 1,
         dtype: str | None = None,
         decode_weights: str = DEFAULT_DECODE_WEIGHTS,
+        store_dir: str | None = None,
     ):
+        """store_dir: the document store's folder, the same for every replica (a shared filesystem across
+        machines): each load reads from and saves to it, so a document outlives its replica."""
         import torch
 
         from pqcache import load_model
         from pqcache.serving.pool import SessionPool, limit_malloc_arenas
+        from pqcache.serving.store import DocumentStore
         from pqcache.serving.worker import DocumentWorker
 
         torch.set_num_threads(max(1, threads))
         limit_malloc_arenas()
-        model, tokenizer = load_model(
-            model,
-            device="cpu",
-            dtype=dtype,
-            decode_weights=decode_weights,
-            progress=lambda msg: print(msg, flush=True),
-        )
+        said = lambda msg: print(msg, flush=True)  # noqa: E731  (the replica's log)
+        model, tokenizer = load_model(model, device="cpu", dtype=dtype, decode_weights=decode_weights, progress=said)
         pool = SessionPool(max_bytes=max_bytes, idle_s=idle_s)
         if pool.idle_s is not None:
             pool.start_reaper(every_s=min(5.0, pool.idle_s / 4))
-        self.worker = DocumentWorker(model, tokenizer, pool, pq_timeout_s, max_document_tokens)
+        store = None if store_dir is None else DocumentStore(store_dir)
+        self.worker = DocumentWorker(model, tokenizer, pool, pq_timeout_s, max_document_tokens, store)
         self.incarnation = uuid.uuid4().hex[:12]
         self.slots = threading.Semaphore(max(1, concurrency))
         self.waiting = 0  # requests waiting for a model slot
