@@ -210,3 +210,42 @@ def test_eval_reads_each_context_once_ever_with_a_store(tmp_path):
         said.append(([r["prediction"] for r in rows], max(forwards)))
     assert said[0][0] == said[1][0] and said[0][1] >= 280 > said[1][1]  # the second read no document
     assert len(store.entries()) == 2
+
+
+def test_a_writer_killed_midway_leaves_no_entry_that_opens(tmp_path):
+    """A process that dies in the middle of writing an entry (os._exit inside the tensor file's write: no cleanup
+    runs, as with a killed replica) leaves only a temporary folder: the next load prefills, with no notice, and
+    saves a good entry; the leftover is never read and goes once stale."""
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    script = f"""
+import os, safetensors.torch
+from pqcache import PQCacheConfig
+from pqcache.serving.session import DocumentSession
+from pqcache.serving.store import DocumentStore
+from tests.conftest import WordTokenizer, tiny_model
+def dies(tensors, path, *a, **k):
+    open(path, "wb").write(b"half a file")
+    os._exit(9)
+safetensors.torch.save_file = dies
+store = DocumentStore({str(tmp_path)!r})
+DocumentSession(tiny_model("llama"), WordTokenizer(), PQCacheConfig(**{CONFIG!r}), store=store).load({TEXT!r})
+"""
+    proc = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 9, proc.stderr[-2000:]
+    (left,) = list(tmp_path.iterdir())
+    assert left.name.startswith(".tmp-")  # no entry: the rename never happened
+    store = DocumentStore(tmp_path)
+    assert store.entries() == []
+    info = session_on(tiny_model("llama"), store).load(TEXT)
+    assert info["from"] == "prefill" and info["store_note"] is None and len(store.entries()) == 1
+    assert session_on(tiny_model("llama"), store).load(TEXT)["from"] == "store"
+    old = time.time() - 2 * 3600
+    os.utime(left, (old, old))
+    store.evict()
+    assert not left.exists() and len(store.entries()) == 1

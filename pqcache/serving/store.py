@@ -32,6 +32,7 @@ from pqcache.engine.errors import InputError
 
 FORMAT = 1
 TENSORS, MANIFEST, TEXT = "tensors.safetensors", "manifest.json", "document.txt"
+STALE_TMP_S = 3600.0  # a temporary folder this old was left by a writer that died
 KEY_SETTINGS = ("m", "bits", "metric", "opq", "seed", "kmeans_iters", "n_init")  # what shapes the saved cache
 
 
@@ -198,7 +199,14 @@ class DocumentStore:
         return True
 
     def evict(self, keep: str | None = None) -> list[str]:
-        """Remove least recently used entries until the store is within its cap (never `keep`)."""
+        """Remove least recently used entries until the store is within its cap (never `keep`), and what writers
+        that died midway left (temporary folders over an hour old)."""
+        for tmp in self.root.glob(".tmp-*"):
+            try:
+                if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                    shutil.rmtree(tmp, ignore_errors=True)
+            except OSError:
+                pass
         entries = self.entries()
         total, gone = sum(e.get("bytes", 0) for e in entries), []
         for entry in reversed(entries):  # the least recently used first
