@@ -33,10 +33,17 @@ def browser_secret() -> str:
     except OSError:
         path.parent.mkdir(parents=True, exist_ok=True)
         value = secrets.token_hex(32)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(value)
-        return value
+        try:  # of two first starts at once, the first link wins and both read its secret
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+        finally:
+            os.unlink(tmp)
+        return path.read_text().strip()
 
 
 def _clean(listing) -> list[dict]:

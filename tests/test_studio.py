@@ -75,6 +75,19 @@ def test_the_store_flags_choose_where_documents_are_kept(tmp_path, monkeypatch, 
         assert said in capsys.readouterr().err
 
 
+def test_the_browser_lists_secret_is_made_once_and_kept(tmp_path, monkeypatch):
+    """Your documents' listing is encrypted in the browser with this secret: a new one at each start would make every
+    browser's list unreadable after a restart, so it is made once (only the app's account reads it) and read back."""
+    import os
+
+    from studio.your_documents import browser_secret
+
+    monkeypatch.setenv("PQCACHE_HOME", str(tmp_path))
+    first = browser_secret()
+    assert len(first) == 64 and browser_secret() == first  # a restart reads the same one
+    assert os.stat(tmp_path / "browser_secret").st_mode & 0o777 == 0o600 and os.listdir(tmp_path) == ["browser_secret"]
+
+
 # ---- --idle-minutes 0 -------------------------------------------------------------------------------------------
 def test_idle_minutes_zero_never_reaps_and_starts_no_reaper_thread(monkeypatch):
     import app
