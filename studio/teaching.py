@@ -11,7 +11,7 @@ import gradio as gr
 
 from pqcache import METHODS, Instrumentation, PQCacheConfig
 from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS
-from pqcache.serving.prompt import PromptBuilder
+from pqcache.serving.prompt import PromptBuilder, has_chat_template
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import number
 from pqcache.serving.walkthrough import StepRecorder
@@ -119,12 +119,15 @@ class TeachingTab:
         fact_pos, answer_pos, end_pos = self.positions(text, fact)
         answer_pos = self.first_answer_token(session.doc_ids, answer_pos, right)
         rows, selections, recorder = [], {}, StepRecorder()
+        # a base model fills the answer slot ("4721."); an instruct model says a sentence ("The code to open the
+        # blue door is 4721."), and ends it with its end-of-turn token
+        tokens = 16 if has_chat_template(tok) else 8
         for i, method in enumerate(methods):
             progress(0.5 + 0.5 * i / len(methods), desc=f"{method} answering")
             obs = Instrumentation(timeline=False, selections=True)
             # PQCache's answer is also the walkthrough's run: the recorder is PQCache, it only reads
             answer = session.ask(
-                question, method=recorder if method == "pqcache" else method, max_new_tokens=8, observer=obs
+                question, method=recorder if method == "pqcache" else method, max_new_tokens=tokens, observer=obs
             )
             layer0 = min((r["layer"] for r in obs.selected), default=None)
             steps = [r for r in obs.selected if r["layer"] == layer0]

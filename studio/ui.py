@@ -5,6 +5,7 @@ from __future__ import annotations
 import gradio as gr
 
 from pqcache import METHODS
+from pqcache.serving.loading import describe_model
 from studio.costmodel_tab import DEFAULT, build_cost_tab, cost
 from studio.qa import QATab
 from studio.qa_page import build_qa_tab
@@ -19,7 +20,9 @@ def build_ui(studio: Studio) -> gr.Blocks:
     with gr.Blocks(title="PQCache Studio") as demo:
         gr.Markdown(
             "# PQCache Studio\nAsk questions about a long document while attention reads only the tokens that "
-            "product-quantization search picks, and see what the cache did."
+            "product-quantization search picks, and see what the cache did.\n\n"
+            f"Answering: **{describe_model(studio.model, studio.tokenizer)}**",
+            elem_id="model-line",
         )
         with gr.Tab("Document Q&A"):
             listing, listed = build_qa_tab(qa, methods)

@@ -186,7 +186,11 @@ def test_bench_store_reads_a_document_back_and_answers_the_same(cli, tmp_path):
     assert row["seq_len"] == 1200 and row["same_answer"] is True, row
     assert row["load_s"] > 0 and row["save_s"] > 0 and row["cold_read_s"] > 0 and row["warm_read_s"] > 0
     assert row["cold"] in ("page cache dropped", "fresh file")
-    assert row["load_over_cold"] == round(row["load_s"] / row["cold_read_s"], 1)
+    # the ratio is taken before the seconds are rounded for print: a cold read of ~0.02 s shown to the millisecond
+    # moves it by up to a few percent, so the check is on agreement to within that rounding
+    cold_lo, cold_hi = row["cold_read_s"] - 0.0005, row["cold_read_s"] + 0.0005
+    load_lo, load_hi = row["load_s"] - 0.005, row["load_s"] + 0.005
+    assert load_lo / cold_hi - 0.05 <= row["load_over_cold"] <= load_hi / cold_lo + 0.05, row
     assert row["disk_bytes_tok"] > 0.9 * row["cache_bytes_tok"] > 0  # the disk holds the cache, no more than needed
     assert list(tmp_path.iterdir()) == []  # its temporary store is gone
 

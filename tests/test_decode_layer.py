@@ -1,6 +1,7 @@
-"""The short decode forward of Gemma 3 layers (pqcache/fastpath/layer.py): bit-identical to the model's
-forward with the quantized decode linears (int8, int4), under full attention and PQCache, and only where it
-applies; its step in C (native.LayerStep) within 1e-4 of the torch step, with the same greedy tokens."""
+"""The short decode forward of Gemma 3 and Llama-family layers (pqcache/fastpath/layer.py): bit-identical to the
+model's forward with the quantized decode linears (int8, int4), under full attention and PQCache, on tiny Gemma 3,
+Llama, Mistral and Qwen2 models, and only where it applies; its step in C (native.LayerStep) within 1e-4 of the
+torch step, with the same greedy tokens. SmolLM2's real weights: tests/test_smollm2.py."""
 
 from __future__ import annotations
 
@@ -22,15 +23,25 @@ FULL_BUDGET = PQCacheConfig(token_budget=1.0, n_init=4, n_local=8, kmeans_iters=
 SMALL_BUDGET = PQCacheConfig(token_budget=0.2, n_init=4, n_local=8, kmeans_iters=5, bits=4)
 
 
-def _gemma3(seed: int = 0, kv_heads: int | None = None):
-    """The tiny Gemma 3 with random norm weights (they start at zero: 1 + w would be 1 and hide a mixed-up norm)."""
-    model = tiny_model("gemma3", seed=seed, **({} if kv_heads is None else {"num_key_value_heads": kv_heads}))
+ARCHS = ("gemma3", "llama", "mistral", "qwen2")
+
+
+def _tiny(arch: str = "gemma3", seed: int = 0, kv_heads: int | None = None):
+    """A tiny model with random norm weights and biases (they start at one, or zero: Gemma's 1 + w, and a zero bias,
+    would hide a mixed-up norm or bias)."""
+    model = tiny_model(arch, seed=seed, **({} if kv_heads is None else {"num_key_value_heads": kv_heads}))
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3 + (0.0 if arch == "gemma3" else 1.0))
+            elif name.endswith(".bias"):
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
     return model
+
+
+def _gemma3(seed: int = 0, kv_heads: int | None = None):
+    return _tiny("gemma3", seed, kv_heads)
 
 
 def _decode(model, cache, ids, n=8):
@@ -57,9 +68,10 @@ def _fast_steps(model) -> int:
     ids=["full", "pqcache-full-budget", "pqcache-budget-0.2"],
 )
 @pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_fast_decode_layer_is_bit_identical_to_the_models_forward(monkeypatch, make_cache, kind):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fast_decode_layer_is_bit_identical_to_the_models_forward(monkeypatch, make_cache, kind, arch):
     monkeypatch.setattr(decode_layer, "NATIVE_STEP", False)  # the step in torch (the C step: test_native_step_...)
-    model = _gemma3()
+    model = _tiny(arch)
     assert install_decode_weights(model, kind) == 7 * len(model.model.layers)
     ids = torch.randint(1, 96, (1, 70), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
@@ -72,9 +84,11 @@ def test_fast_decode_layer_is_bit_identical_to_the_models_forward(monkeypatch, m
     assert torch.equal(got, ref)
 
 
-@pytest.mark.parametrize("prompt_tokens", [10, 23, 24, 70])
-@pytest.mark.parametrize("kv_heads", [2, 4])
-def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch, prompt_tokens, kv_heads):
+@pytest.mark.parametrize(
+    "arch, prompt_tokens, kv_heads",
+    [("gemma3", n, h) for n in (10, 23, 24, 70) for h in (2, 4)] + [(a, 70, 2) for a in ARCHS[1:]],
+)
+def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch, arch, prompt_tokens, kv_heads):
     """The step without the model's forward (fastpath/step.py) against the layers' short forward inside the model's
     forward: the same logits from contexts shorter than the sliding window (24 tokens: its mask, which the step
     does not pass, is all ones either way) to longer ones, with grouped query heads and without, for full
@@ -84,7 +98,7 @@ def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch,
     copied as the general step copies them (the observed layers take it)."""
     monkeypatch.setattr(decode_layer, "NATIVE_STEP", False)
     monkeypatch.setattr(onerow, "VALUES_IN_PLACE", False)
-    model = _gemma3(seed=2, kv_heads=kv_heads)
+    model = _tiny(arch, seed=2, kv_heads=kv_heads)
     install_decode_weights(model)
     install_fast_decode(model)
     step = model.fast_decode_step
@@ -125,17 +139,19 @@ def _observed(obs) -> tuple:
     return spans, *([(r["layer"], r["step"]) for r in getattr(obs, kind)] for kind in ("blocks", "attention", "recall"))
 
 
-def test_native_step_parts_match_the_torch_steps_parts():
-    """layer_qkv (input norm, q/k/v product, head norms, rotary embedding) and layer_out (o product, norms,
-    residuals, gate/up, GELU, down) of one layer against FastDecodeLayer's torch parts on the same input."""
-    model = _gemma3(seed=6, kv_heads=2)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_step_parts_match_the_torch_steps_parts(arch):
+    """layer_qkv (input norm, q/k/v product and bias, head norms, rotary embedding) and layer_out (o product,
+    norms, residuals, gate/up, GELU or SiLU, down) of one layer against FastDecodeLayer's torch parts on the same
+    input."""
+    model = _tiny(arch, seed=6, kv_heads=2)
     install_decode_weights(model)
     install_fast_decode(model)
     fast = model.model.layers[1].forward
     assert fast.native is not None, native.status()
     g = torch.Generator().manual_seed(6)
     E, Hq, Hk = model.config.hidden_size, fast.n_q, fast.n_kv
-    D = fast.w_qk.shape[-1]
+    D = fast.D
     x = torch.randn(1, E, generator=g) * 3
     angle = torch.rand(1, 1, D, generator=g) * 6
     cos, sin = angle.cos(), angle.sin()
@@ -147,9 +163,11 @@ def test_native_step_parts_match_the_torch_steps_parts():
     torch.testing.assert_close(fast.native.out(x, attn), fast._mlp(x, attn), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("prompt_tokens", [10, 70])
-@pytest.mark.parametrize("kv_heads", [1, 2, 4])
-def test_native_step_is_close_to_the_torch_step_with_the_same_tokens(monkeypatch, prompt_tokens, kv_heads):
+@pytest.mark.parametrize(
+    "arch, prompt_tokens, kv_heads",
+    [("gemma3", n, h) for n in (10, 70) for h in (1, 2, 4)] + [(a, 70, h) for a in ARCHS[1:] for h in (1, 4)],
+)
+def test_native_step_is_close_to_the_torch_step_with_the_same_tokens(monkeypatch, arch, prompt_tokens, kv_heads):
     """The layers' one-token step in C (layer_step.c) against the same step in torch, on the same int8 products:
     logits within 1e-4 (summation orders differ, and the int16 rounding of the next product can turn a last-bit
     difference into 1e-5), the same greedy tokens, for full attention (the keys of a window shorter and longer
@@ -164,7 +182,7 @@ def test_native_step_is_close_to_the_torch_step_with_the_same_tokens(monkeypatch
     logits = {}
     for in_c in (False, True):
         monkeypatch.setattr(decode_layer, "NATIVE_STEP", in_c)
-        model = _gemma3(seed=4, kv_heads=kv_heads)
+        model = _tiny(arch, seed=4, kv_heads=kv_heads)
         install_decode_weights(model)
         install_fast_decode(model)
         assert all((layer.forward.native is not None) == in_c for layer in model.model.layers)
@@ -177,13 +195,14 @@ def test_native_step_is_close_to_the_torch_step_with_the_same_tokens(monkeypatch
 
 
 @pytest.mark.parametrize("kernel, tol", [("torch", 1e-5), ("native", 1e-4)])
-def test_fast_decode_layer_keeps_pqcache_at_full_budget_equal_to_full_attention(monkeypatch, kernel, tol):
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fast_decode_layer_keeps_pqcache_at_full_budget_equal_to_full_attention(monkeypatch, kernel, tol, arch):
     """Full attention and PQCache at a full budget attend in different orders: float noise (1e-7) in the inputs
     of the next decode linears. Torch's kernel rounds them to bf16, whose steps (2**-8 of each value) rarely move;
     the native one to int16 steps of max|x| / 32767, which often move by one: 1e-5 of the logits."""
     if kernel == "torch":
         monkeypatch.setattr(native, "library", lambda: None)
-    model = _gemma3(seed=1)
+    model = _tiny(arch, seed=1)
     install_decode_weights(model)
     assert (model.model.layers[0].mlp.down_proj.weights.native is None) == (kernel == "torch")
     install_fast_decode(model)
@@ -198,10 +217,12 @@ def test_fast_decode_layer_keeps_pqcache_at_full_budget_equal_to_full_attention(
 
 
 def test_fast_decode_layer_applies_only_where_it_reproduces_the_forward():
-    """Other architectures, model weights (no int8 copies) and the model's bf16 keep the model's own forward."""
-    llama = tiny_model("llama")
-    install_decode_weights(llama)
-    assert install_fast_decode(llama) == 0
+    """Layers it does not reproduce (an activation other than SiLU in a Llama, an o projection with a bias), model
+    weights (no int8 copies) and the model's bf16 keep the model's own forward."""
+    for odd in (tiny_model("llama", hidden_act="gelu"), tiny_model("llama", attention_bias=True)):
+        install_decode_weights(odd)
+        assert install_fast_decode(odd) == 0 and getattr(odd, "fast_decode_step", None) is None
+    assert install_fast_decode(tiny_model("llama")) == 0  # no int8 decode linears
     assert install_fast_decode(tiny_model("gemma3")) == 0  # no int8 decode linears
     model = tiny_model("gemma3")
     install_decode_weights(model)

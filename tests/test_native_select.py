@@ -27,11 +27,13 @@ def _picked(top: torch.Tensor, valid: torch.Tensor) -> list[list[list[int]]]:
 
 @pytest.mark.parametrize("mode", ["softmax_sum", "sum"])
 @pytest.mark.parametrize("C, R", [(4, 4), (16, 2), (64, 3), (256, 8)])
-def test_pq_search_picks_what_torchs_operators_pick(mode, C, R):
+@pytest.mark.parametrize("m", [1, 2])
+def test_pq_search_picks_what_torchs_operators_pick(mode, C, R, m):
     """Few centroids make many tokens' codes (and scores) equal: ties at the k-th score, which go to the earliest
-    positions in both; rows with other budgets and candidates, and one with fewer candidates than its k."""
+    positions in both; rows with other budgets and candidates, and one with fewer candidates than its k. One
+    sub-space (m = 1, at least twice as many tokens as codes) takes pq_select.c's per-code combine."""
     g = torch.Generator().manual_seed(C + R)
-    B, H, m, d, S = 3, 2, 2, 8, 700
+    B, H, d, S = 3, 2, 8, 700
     centroids = torch.randn(B, H, m, C, d, generator=g)
     codes = torch.randint(0, C, (B, H, m, S + 37), generator=g, dtype=torch.uint8)  # capacity beyond S
     q = torch.randn(B, H, R, m * d, generator=g)
@@ -87,9 +89,10 @@ def test_the_selection_does_not_depend_on_the_thread_count():
     assert torch.equal(picks[0], picks[1]) and torch.equal(picks[0], picks[2])
 
 
-def test_a_decode_with_the_native_selection_keeps_torchs_tokens_and_picks(arch, monkeypatch):
+@pytest.mark.parametrize("m, bits", [(4, 6), (1, 4)])  # (1, 4): the per-code combine, against torch's by tuples
+def test_a_decode_with_the_native_selection_keeps_torchs_tokens_and_picks(arch, monkeypatch, m, bits):
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
-    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, n_init=4, kmeans_iters=5, m=4, bits=6)
+    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, n_init=4, kmeans_iters=5, m=m, bits=bits)
     taken, real = [], select.pq_top
 
     def counted(*args):

@@ -43,8 +43,10 @@ def test_smollm2_answers_through_its_chat_template_as_full_attention(smollm2):
 
 
 def test_the_qa_tab_loads_answers_and_follows_up_on_smollm2(smollm2):
-    """The app's Q&A handlers on SmolLM2: the sample loads, the chat names the method, the answer holds the pass key
-    and ends at the end-of-turn token, and a follow-up in the same conversation repeats it."""
+    """The app's Q&A handlers on SmolLM2: the page's header names the model that answers, the sample loads, the chat
+    names the method, the answer holds the pass key and ends at the end-of-turn token, its sources are offered, and
+    a follow-up in the same conversation repeats it."""
+    from pqcache.serving.loading import describe_model
     from pqcache.serving.pool import SessionPool
     from studio import Studio
     from studio.qa import QATab
@@ -56,8 +58,13 @@ def test_the_qa_tab_loads_answers_and_follows_up_on_smollm2(smollm2):
     tab = QATab(Studio(model, tok, pool, pq_timeout_s=120))
     try:
         assert load(tab, text=PASSKEY.read_text())[-1][0].startswith("Loaded **")
-        chat = ask(tab, QUESTION, max_new=24)[-1][0]
+        assert describe_model(model, tok) == (
+            "SmolLM2-135M-Instruct: llama, 30 layers (30 retrieve), 9 query heads sharing 3 KV heads; "
+            "asked through its chat template"
+        )
+        chat, *_, sources = ask(tab, QUESTION, max_new=24)[-1]
         said = chat[-1]["content"]
+        assert sources["visible"] and sources["choices"], sources  # the passages it read most, to click
         assert "68422" in said and "pqcache:" in said and "the model ended it" in said  # its end-of-turn token
         follow = outputs_of(tab, "Repeat that number.", chat)
         assert "68422" in follow[-1]["content"].split("\n")[0], follow[-1]["content"]
@@ -69,3 +76,85 @@ def outputs_of(tab, question, chat):
     from .test_qa_tab import ANN, outputs
 
     return outputs(tab.ask(question, chat, "pqcache", 16, None, request=ANN))[-1][0]
+
+
+def test_the_fast_decode_path_runs_smollm2_as_its_own_forward_does(smollm2, monkeypatch):
+    """SmolLM2's real weights through the Llama-family fast path (pqcache/fastpath): every layer has it and the
+    one-row step runs; in torch its logits are bit-identical to the model's own layer forwards with the same decode
+    linears, and in C (layer_step.c, another summation order over 30 layers) the greedy tokens are the same, under
+    full attention and PQCache at 1/10."""
+    import torch
+    from transformers import DynamicCache
+
+    import pqcache.fastpath.layer as decode_layer
+    from pqcache import PQCache
+    from pqcache.fastpath.layer import FastDecodeLayer
+    from pqcache.serving.generate import decode_one_token, prefill
+
+    model, tok = smollm2
+    layers, step = model.model.layers, model.fast_decode_step
+    assert step is not None and all(isinstance(layer.forward, FastDecodeLayer) for layer in layers)
+    ids = tok(PASSKEY.read_text(), return_tensors="pt").input_ids[:, :600]
+
+    def decode(cache, n=6):
+        with torch.no_grad():
+            out = [prefill(model, ids, cache, chunk_tokens=256)]
+            if isinstance(cache, PQCache):
+                cache.wait()
+            for _ in range(n):
+                out.append(decode_one_token(model, out[-1].argmax(-1, keepdim=True), cache))
+        return torch.cat(out)
+
+    def in_torch(on: bool):
+        monkeypatch.setattr(decode_layer, "NATIVE_STEP", not on)
+        for layer in layers:
+            layer.forward.bind()
+
+    fast = [layer.forward for layer in layers]
+    try:
+        makers = (lambda: DynamicCache(config=model.config), lambda: PQCache(model, PQCacheConfig(token_budget=0.1)))
+        for make in makers:
+            for layer, f in zip(layers, fast):  # the model's own layer forwards, around the same decode linears
+                layer.forward = f.model_forward
+            model.fast_decode_step = None
+            ref = decode(make())
+            for layer, f in zip(layers, fast):
+                layer.forward = f
+            model.fast_decode_step = step
+            before = step.steps
+            in_torch(True)
+            assert torch.equal(decode(make()), ref)
+            in_torch(False)
+            assert all(f.native is not None for f in fast)
+            in_c = decode(make())
+            assert torch.equal(in_c.argmax(-1), ref.argmax(-1)) and (in_c - ref).abs().max() < 0.25
+            assert step.steps == before + 12
+    finally:
+        for layer, f in zip(layers, fast):
+            layer.forward = f
+        model.fast_decode_step = step
+        in_torch(False)
+
+
+def test_the_teaching_tab_runs_its_methods_side_by_side_on_smollm2(smollm2):
+    """The Teaching tab on SmolLM2: one prefill of its preset document, PQCache and full attention side by side at
+    1/10, each row right or not against the answer on screen, and the step-through's pictures drawn."""
+    from pqcache.serving.pool import SessionPool
+    from studio import Studio
+    from studio.teaching import TeachingTab
+
+    from .test_studio import USER, quiet
+
+    model, tok = smollm2
+    studio = Studio(model, tok, SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=120)
+    try:
+        tab = TeachingTab(studio)
+        fact = "the code to open the blue door"
+        state, status, rows, *_, picture = tab.run_teaching(
+            ["pqcache", "full"], fact, 0.1, "1. Prefill and PQ build", None, request=USER, progress=quiet
+        )
+        assert status.startswith("Prefilled ") and [r[0] for r in rows] == ["pqcache", "full"], status
+        assert [r[2] for r in rows] == ["yes", "yes"], rows  # both find 4721
+        assert picture is not None
+    finally:
+        studio.pool.close()

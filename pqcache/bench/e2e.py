@@ -21,7 +21,7 @@ from pathlib import Path
 from pqcache import native
 from pqcache.fastpath.dtype import available_cpus, dtype_name, resolve_dtype
 from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
-from pqcache.serving.loading import DEFAULT_NAMES
+from pqcache.serving.loading import DEFAULT_NAMES, SMOLLM2_NAMES
 
 RUNNERS = ("llama.cpp", "full", "pqcache")
 SEQ_LENS = (1024, 4096, 8192, 16384, 32768)
@@ -111,20 +111,22 @@ def bench_e2e(
     from transformers import AutoTokenizer
 
     from pqcache.serving.generate import PREFILL_CHUNK_TOKENS
-    from pqcache.serving.loading import default_gguf, prepare_default_model
+    from pqcache.serving.loading import default_gguf, prepare_default_model, prepare_smollm2, smollm2_gguf
 
-    is_default = model in DEFAULT_NAMES
-    path = prepare_default_model(lambda *_: None) if is_default else Path(model)
+    quiet = lambda *_: None  # noqa: E731
+    bundled = {"default": (prepare_default_model, default_gguf), "smollm2": (prepare_smollm2, lambda _: smollm2_gguf())}
+    name = "default" if model in DEFAULT_NAMES else "smollm2" if model in SMOLLM2_NAMES else None
+    path = bundled[name][0](quiet) if name else Path(model)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
     threads = threads or available_cpus()
     llama_note = None
     if "llama.cpp" in runners:
         if not llama_cpp_installed():
             llama_note = "not installed (pip install -r requirements-bench.txt)"
-        elif gguf is None and not is_default:
+        elif gguf is None and name is None:
             llama_note = "no GGUF for this model (--gguf)"
         else:
-            gguf = str(gguf or default_gguf(lambda *_: None))
+            gguf = str(gguf or bundled[name][1](quiet))  # a bundled model's own GGUF
     common = {
         "model": str(path),
         "dtype": dtype_name(resolve_dtype(dtype)),
@@ -193,7 +195,8 @@ def agreeing_prefix(a: list[int], b: list[int]) -> int:
 
 def describe(runner: str, common: dict) -> str:
     if runner == "llama.cpp":
-        return f"Q4_K_M GGUF, n_threads={common['threads']}, n_batch=n_ubatch={common['n_batch']}, flash_attn"
+        gguf = Path(common["gguf"]).name
+        return f"{gguf}, n_threads={common['threads']}, n_batch=n_ubatch={common['n_batch']}, flash_attn"
     cache = "DynamicCache" if runner == "full" else "PQCache defaults"
     weights = f"{common['dtype']}, {common['decode_weights']} decode weights"
     if common["decode_weights"] != "model":  # the runners' processes find the same build (pqcache/native)
@@ -202,7 +205,7 @@ def describe(runner: str, common: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("end to end, bundled model: prefill tok/s, decode ms/token, peak RSS (MiB)")
+    print("end to end: prefill tok/s, decode ms/token, peak RSS (MiB)")
     print(f"{'tokens':>7} {'runner':>9} {'prefill':>8} {'decode':>7} {'MiB':>6} {'pre/llama':>9} {'dec/llama':>9} same")
     for r in rows:
         if r["prefill_tok_s"] is None:
@@ -236,5 +239,6 @@ def cli_e2e(args) -> int:
     if args.json:
         print(json.dumps({"rows": rows}))
     else:
+        print(f"model: {args.model}")
         print_table(rows)
     return 0

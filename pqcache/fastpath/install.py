@@ -1,24 +1,27 @@
 """Installing the fast decode path on a loaded model: each ready decoder layer gets the short decode forward
-(layer.py), and a Gemma 3 model whose layers all have it gets the one-row decode step around them (step.py)."""
+(layer.py), and a model of STEP_MODELS whose layers all have it gets the one-row decode step around them (step.py)."""
 
 from __future__ import annotations
 
 from pqcache.engine.cache import decoder_layers
 from pqcache.fastpath.layer import FastDecodeLayer, fast_decode_ready
-from pqcache.fastpath.step import FastDecodeStep
+from pqcache.fastpath.step import STEP_MODELS, FastDecodeStep
 
 
 def install_fast_decode(model) -> int:
-    """Give every ready decoder layer (fast_decode_ready) the short decode forward, and a Gemma3ForCausalLM whose
-    layers all have it the one-row decode step around them (fastpath/step.py, `model.fast_decode_step`); returns
-    how many layers were given it."""
+    """Give every ready decoder layer (fast_decode_ready) the short decode forward, and a model of STEP_MODELS
+    whose layers all have it the one-row decode step around them (fastpath/step.py, `model.fast_decode_step`);
+    returns how many layers were given it."""
     memo: dict = {}
     installed = 0
     layers = [layer for _, layer in decoder_layers(model)]
     for layer in layers:
-        if fast_decode_ready(layer) and not isinstance(layer.forward, FastDecodeLayer):
-            layer.forward = FastDecodeLayer(layer, memo)
+        if isinstance(layer.forward, FastDecodeLayer):
+            continue
+        shape = fast_decode_ready(layer)
+        if shape is not None:
+            layer.forward = FastDecodeLayer(layer, memo, shape)
             installed += 1
-    if type(model).__name__ == "Gemma3ForCausalLM" and all(isinstance(x.forward, FastDecodeLayer) for x in layers):
+    if type(model).__name__ in STEP_MODELS and all(isinstance(x.forward, FastDecodeLayer) for x in layers):
         model.fast_decode_step = FastDecodeStep(model)
     return installed

@@ -1,8 +1,9 @@
-"""A decode step of one row and one token without the model's forward around the layers (Gemma 3, CPU).
+"""A decode step of one row and one token without the model's forward around the layers (CPU; Gemma 3 and the
+Llama family, STEP_MODELS).
 
-For each token, transformers' Gemma3TextModel.forward builds two attention masks (all ones for a single real
-token), goes through its decorators and output dataclasses, and each decoder layer reaches its cache and its
-attention through Cache.update and the attention interface (PQCache's function, then transformers' SDPA wrapper
+For each token, transformers' Gemma3TextModel.forward (LlamaModel's likewise) builds two attention masks (all
+ones for a single real token), goes through its decorators and output dataclasses, and each decoder layer reaches
+its cache and its attention through Cache.update and the attention interface (PQCache's function, then transformers' SDPA wrapper
 for the sliding-window layers): about 1.6 ms of an 8K step on a 2-core CPU that computes nothing (measured
 with the model's forward in place of this step). This step calls the model's own modules and functions on the same
 tensors for everything that is arithmetic (the embedding, the rotary embeddings, the layers' short forward through
@@ -27,6 +28,8 @@ from pqcache.engine.layer.layer import PQLayer
 from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 from pqcache.fastpath.layer import FastDecodeLayer
 
+# the causal LMs whose forward __call__ reproduces around their layers' FastDecodeLayer.step
+STEP_MODELS = ("Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # cache layers whose update returns every key the new token attends to (PQCache's sliding windows, a DynamicCache's)
 PLAIN_LAYERS = (AppendSlidingWindowLayer, DynamicSlidingWindowLayer, DynamicLayer)
 
@@ -35,11 +38,14 @@ class FastDecodeStep:
     """Installed as `model.fast_decode_step` by install_fast_decode; generate.decode_one_token calls it when ready."""
 
     def __init__(self, model):
-        self.model, self.text = model, model.model  # Gemma3ForCausalLM, its Gemma3TextModel
+        self.model, self.text = model, model.model  # e.g. Gemma3ForCausalLM, its Gemma3TextModel
         config = self.text.config
-        self.layer_types = config.layer_types[: config.num_hidden_layers]
         self.layers = list(self.text.layers[: config.num_hidden_layers])  # the ones the model's forward runs
-        self.softcap = model.config.final_logit_softcapping
+        # Gemma 3's rotary embedding differs by layer type (local and global bases); the others' is one
+        self.by_type = type(model).__name__ == "Gemma3ForCausalLM"
+        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        self.layer_types = types[: config.num_hidden_layers] if self.by_type else [None] * len(self.layers)
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)
         self.steps = 0  # steps that took this path
 
     def ready(self, token: torch.Tensor, cache) -> bool:
@@ -49,7 +55,7 @@ class FastDecodeStep:
             return False
         if text.config._attn_implementation not in (ATTN_NAME, "sdpa"):
             return False
-        if text.embed_tokens.weight.dtype != torch.float32 or text.config.use_bidirectional_attention:
+        if text.embed_tokens.weight.dtype != torch.float32 or getattr(text.config, "use_bidirectional_attention", 0):
             return False
         if any(_hooked(m) for m in (self.model, text, *self.layers)):
             return False
@@ -65,7 +71,10 @@ class FastDecodeStep:
         text = self.text
         hidden = text.embed_tokens(token)  # (1, 1, E)
         position_ids = torch.tensor([[cache.get_seq_length()]], device=token.device)  # as the model counts it
-        rotary = {kind: text.rotary_emb(hidden, position_ids, kind) for kind in set(self.layer_types)}
+        if self.by_type:
+            rotary = {kind: text.rotary_emb(hidden, position_ids, kind) for kind in set(self.layer_types)}
+        else:
+            rotary = {None: text.rotary_emb(hidden, position_ids)}
         x = hidden.view(1, -1)  # (1, E)
         obs = getattr(cache, "observer", None)
         for layer, kind in zip(self.layers, self.layer_types):

@@ -10,10 +10,11 @@ memory's speed on the table.
     gather_dot.c   the re-rank's exact scores read straight from the key store (methods/pqcache.rerank_exact),
                    instead of a gathered copy of every candidate's key and a matmul over it; and the attention's
                    weighted sum over the picks' values, read where they lie (layer/onerow.py).
-    layer_step.c   a Gemma 3 decoder layer's one-token step in three calls (pqcache/fastpath/layer.py): the norms,
-                   rotary embedding, attention over a window, GELU and residuals around int8_rows.c's products,
-                   instead of two hundred small torch operators; and a PQ layer's attention over its window and its
-                   picks, the picks' values read where they lie (attend_picks, layer/onerow.py).
+    layer_step.c   a decoder layer's one-token step in three calls (Gemma 3's, the Llama family's; fastpath/layer.py):
+                   the norms, rotary embedding, attention over a window, GELU or SiLU and residuals around
+                   int8_rows.c's products, instead of two hundred small torch operators; and a PQ layer's attention
+                   over its window and its picks, the picks' values read where they lie (attend_picks,
+                   layer/onerow.py).
     pq_select.c    PQCache's selection (methods/pqcache.py): the PQ scores, the GQA combine and the top-k in one
                    call instead of about 140 torch operators a layer (wrapped in native/select.py).
 
@@ -212,23 +213,25 @@ def gather_dot(store: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch
 class LayerWeights(ctypes.Structure):
     """layer_step.c's Layer: a decoder layer's sizes, norm weights and int8 products, by address."""
 
-    _fields_ = [(name, ctypes.c_int64) for name in ("E", "Hq", "Hk", "D", "I")] + [("eps", ctypes.c_double)]
+    _fields_ = [(name, ctypes.c_int64) for name in ("E", "Hq", "Hk", "D", "I", "act")] + [("eps", ctypes.c_double)]
     _fields_ += [(name, ctypes.c_void_p) for name in ("w_in", "w_qk", "w_post_attn", "w_pre_ff", "w_post_ff")]
+    _fields_ += [("qkv_bias", ctypes.c_void_p)]
     _fields_ += [(name + "_q", ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")]
     _fields_ += [(name + "_scale", ctypes.c_void_p) for name in ("qkv", "o", "gate_up", "down")]
 
 
 class LayerStep:
-    """One Gemma 3 decoder layer's decode step for one token (layer_step.c): qkv, then the caller's cache update,
-    then attend (or the caller's own attention), then out. Needs library() (not None)."""
+    """One decoder layer's decode step for one token (layer_step.c; Gemma 3's or the Llama family's): qkv, then the
+    caller's cache update, then attend (or the caller's own attention), then out. Needs library() (not None)."""
 
-    def __init__(self, sizes: dict, eps: float, norms: dict, products: dict):
-        """sizes: E, Hq, Hk, D, I. norms: w_in, w_qk (Hq + Hk, D), w_post_attn, w_pre_ff, w_post_ff, float32
-        (1 + each norm's weight). products: qkv, o, gate_up, down -> Int8Product. All kept: C reads their memory."""
+    def __init__(self, sizes: dict, eps: float, extras: dict, products: dict):
+        """sizes: E, Hq, Hk, D, I, act (0 GELU tanh, 1 SiLU). extras: the norms' weights as applied w_in, w_qk
+        (Hq + Hk, D), w_post_attn, w_pre_ff, w_post_ff, and qkv_bias ((Hq + 2 Hk) D,), float32, None where the
+        layer has none. products: qkv, o, gate_up, down -> Int8Product. All kept: C reads their memory."""
         self.E, self.Hq, self.Hk, self.D, self.I = (sizes[k] for k in ("E", "Hq", "Hk", "D", "I"))
-        self._keep = {k: w.to(torch.float32).contiguous() for k, w in norms.items()}
+        self._keep = {k: w.to(torch.float32).contiguous() for k, w in extras.items() if w is not None}
         self._keep.update({k: (m.q, m.scale) for k, m in products.items()})
-        fields = {k: w.data_ptr() for k, w in self._keep.items() if k in norms}
+        fields = {k: w.data_ptr() for k, w in self._keep.items() if k in extras}  # missing ones stay NULL
         fields.update({f"{k}_q": m.q.data_ptr() for k, m in products.items()})
         fields.update({f"{k}_scale": m.scale.data_ptr() for k, m in products.items()})
         self.weights = LayerWeights(**sizes, eps=eps, **fields)

@@ -1,18 +1,19 @@
-/* One Gemma 3 decoder layer's decode step for one token, in three calls: the layer's own arithmetic, without the
-   two hundred small torch operators it takes in Python (five RMSNorms of seven operators each, the rotary
-   embedding, SDPA's setup, GELU, residuals; a few microseconds each, whatever their size).
+/* One decoder layer's decode step for one token, in three calls: the layer's own arithmetic, without the two
+   hundred small torch operators it takes in Python (five RMSNorms of seven operators each, the rotary embedding,
+   SDPA's setup, GELU, residuals; a few microseconds each, whatever their size). Gemma 3's layers and the Llama
+   family's (pqcache/fastpath/shape.py): the norms a layer lacks are NULL, and so is a q/k/v bias it lacks.
 
-   layer_qkv   input norm, the stacked q/k/v product, the q and k heads' norms and the rotary embedding
+   layer_qkv   input norm, the stacked q/k/v product (and bias), the q and k heads' norms and the rotary embedding
    attend_row  softmax attention of one token's query heads over the keys it attends to (a sliding window's, or
                a full-attention layer's of a DynamicCache), grouped query heads sharing a key/value head
    attend_picks  the same over a PQ layer's sinks, ring and new token and its picks, the picks' scores from the
                re-rank and their values read where they lie in the host tier (layer/onerow.py)
-   layer_out   o projection, post-attention norm and residual, pre-feedforward norm, gate/up, GELU (tanh), down,
-               post-feedforward norm and residual
+   layer_out   o projection, post-attention norm and residual, pre-feedforward norm, gate/up, GELU (tanh) or
+               SiLU, down, post-feedforward norm and residual
 
    The products are int8_rows.c's (the same int16 rounding of each input row and exact integer sums), so each
    matches native.Int8Product to the bit on the same input. The rest is float32 arithmetic in the same formulas as
-   transformers' Gemma3DecoderLayer (sums of squares in double), in another order than torch's kernels: a few
+   transformers' decoder layers (sums of squares in double), in another order than torch's kernels: a few
    units in the last place, which the int16 rounding of the next product can turn into 1e-5 of its output
    (tests/test_decode_layer.py). The caller keeps the cache: layer_qkv's k and v rows go into it, and attend_row
    reads the keys and values it returns. */
@@ -29,9 +30,12 @@ int int8_rows_mm(const float *x, const int8_t *q, const float *scale, float *y, 
 /* pqcache/native/__init__.py's LayerWeights mirrors this (ctypes.Structure, same field order and types) */
 typedef struct {
   int64_t E, Hq, Hk, D, I; /* hidden size, query heads, key/value heads, head size, intermediate size */
+  int64_t act;             /* the MLP's activation: 0 GELU (tanh), 1 SiLU */
   double eps;
-  /* 1 + each norm's weight: (E,) each; w_qk (Hq + Hk, D), the q norm's row for every q head, then k's */
+  /* each norm's weight as applied (Gemma: 1 + w): (E,) each; w_qk (Hq + Hk, D), the q norm's row for every q head,
+     then k's. w_qk, w_post_attn, w_post_ff: NULL where the layer has no such norm (the Llama family) */
   const float *w_in, *w_qk, *w_post_attn, *w_pre_ff, *w_post_ff;
+  const float *qkv_bias; /* ((Hq + 2 Hk) D,) or NULL */
   /* int8 rows and their float32 scales: qkv ((Hq + 2 Hk) D, E), o (E, Hq D), gate_up (2 I, E), down (E, I) */
   const int8_t *qkv_q, *o_q, *gate_up_q, *down_q;
   const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
@@ -65,6 +69,8 @@ static float gelu_tanh(float x) { /* torch's gelu(approximate="tanh") */
   return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x)));
 }
 
+static float silu(float x) { return x / (1.0f + expf(-x)); } /* torch's silu */
+
 /* x (E,) -> qkv (Hq + 2 Hk, D): the normed, rotated q and k heads, then the v heads. cos, sin_signed (D,): the
    step's rotary embedding, sin's first half negated (x * cos + roll(x, D / 2) * sin_signed is rotate_half's form).
    Returns 0, or -1 when scratch memory could not be allocated. */
@@ -74,9 +80,14 @@ int layer_qkv(const Layer *L, const float *x, const float *cos, const float *sin
   if (h == NULL) return -1;
   rms_norm(x, L->w_in, h, E, L->eps);
   int failed = int8_rows_mm(h, L->qkv_q, L->qkv_scale, qkv, 1, heads * D, E);
+  if (!failed && L->qkv_bias != NULL)
+    for (int64_t i = 0; i < heads * D; i++) qkv[i] += L->qkv_bias[i];
   for (int64_t r = 0; !failed && r < L->Hq + L->Hk; r++) {
     float *t = qkv + r * D;
-    rms_norm(t, L->w_qk + r * D, h, D, L->eps);
+    if (L->w_qk != NULL)
+      rms_norm(t, L->w_qk + r * D, h, D, L->eps);
+    else
+      memcpy(h, t, sizeof(float) * D);
     for (int64_t i = 0; i < D; i++) t[i] = h[i] * cos[i] + (i < half ? h[i + half] : h[i - half]) * sin_signed[i];
   }
   free(h);
@@ -286,18 +297,21 @@ int layer_out(const Layer *L, const float *x, const float *attn, float *y) {
   int failed = t == NULL || h == NULL || gu == NULL;
   if (!failed) failed = int8_rows_mm(attn, L->o_q, L->o_scale, t, 1, E, L->Hq * L->D);
   if (!failed) {
-    rms_norm(t, L->w_post_attn, t, E, L->eps);
+    if (L->w_post_attn != NULL) rms_norm(t, L->w_post_attn, t, E, L->eps);
     for (int64_t i = 0; i < E; i++) y[i] = x[i] + t[i]; /* the residual stream after attention */
     rms_norm(y, L->w_pre_ff, h, E, L->eps);
     failed = int8_rows_mm(h, L->gate_up_q, L->gate_up_scale, gu, 1, 2 * I, E);
   }
   if (!failed) {
     float *act = gu + 2 * I;
-    for (int64_t i = 0; i < I; i++) act[i] = gelu_tanh(gu[i]) * gu[I + i];
+    if (L->act == 1)
+      for (int64_t i = 0; i < I; i++) act[i] = silu(gu[i]) * gu[I + i];
+    else
+      for (int64_t i = 0; i < I; i++) act[i] = gelu_tanh(gu[i]) * gu[I + i];
     failed = int8_rows_mm(act, L->down_q, L->down_scale, t, 1, E, I);
   }
   if (!failed) {
-    rms_norm(t, L->w_post_ff, t, E, L->eps);
+    if (L->w_post_ff != NULL) rms_norm(t, L->w_post_ff, t, E, L->eps);
     for (int64_t i = 0; i < E; i++) y[i] += t[i];
   }
   free(t);

