@@ -29,10 +29,12 @@ def recall_study(
     k), per KV head and per query head (each query head's own exact top-k), and the share of the
     exact attention mass on the attended tokens (sinks + top-k + window). On the model's real keys:
     the full-attention layers' keys of one prefill, the last n_queries prefill queries as queries.
-    m or bits None: the defaults (chosen from head_dim and the context length)."""
+    m or bits None: the defaults (chosen from head_dim and the context length). Beside each layer's rows, Oracle's
+    (method "oracle": the exact top-k under the same combine, at each budget): its KV-head recall is 1 by
+    definition, its query-head recall what the combine rule itself costs a query head whose KV head it shares."""
     from dataclasses import replace
 
-    from pqcache.engine.layer.probe import selection_recall
+    from pqcache.engine.layer.probe import exact_topk_set, selection_recall
     from pqcache.engine.layer.standalone import filled_layer
 
     device = next(model.parameters()).device
@@ -49,9 +51,25 @@ def recall_study(
             layer.prefill_q[:, :, t : t + 1].reshape(1, H, G, -1).float() * layer.scaling
             for t in range(S - n_queries, S)
         ]
+        oracle_done = set()
         for m, bits, budget, opq in itertools.product(ms, bits_list, budgets, opqs):
             cfg = PQCacheConfig(m=m, bits=bits, token_budget=budget, kmeans_iters=iters, block_cache_tokens=0, opq=opq)
             pql = filled_layer(keys, keys, cfg, iters=iters)  # one build serves every rerank
+            if budget not in oracle_done:  # the exact top-k under the rule: the same candidates and k as PQCache's
+                oracle_done.add(budget)
+                acc = {"recall": [], "mass_recall": [], "qhead": []}
+                for q in queries:
+                    top, _ = pql.select(q, 1.0)  # for the selection's width k only
+                    exact = (keys.float() @ q.transpose(-1, -2)).transpose(2, 3)  # (1, H, G, S)
+                    cand, ks = pql.candidates(), pql.topk_counts()
+                    chosen = exact_topk_set(exact, cand, ks, top.shape[2], cfg.gqa_combine)
+                    recall, mass, qhead = selection_recall(
+                        exact, all_valid, cand, chosen, ks, top.shape[2], cfg.gqa_combine, G, exact_set=chosen
+                    )
+                    acc["recall"].append(recall.mean().item())
+                    acc["mass_recall"].append(mass.mean().item())
+                    acc["qhead"].append(qhead.mean().item())
+                rows.append(_row(layer.layer_idx, "oracle", None, None, None, None, budget, acc))
             for rerank in reranks:
                 pql.config = replace(pql.config, rerank=rerank)
                 acc = {"recall": [], "mass_recall": [], "qhead": []}
@@ -72,21 +90,25 @@ def recall_study(
                     acc["recall"].append(recall.mean().item())
                     acc["mass_recall"].append(mass.mean().item())
                     acc["qhead"].append(qhead.mean().item())
-                rows.append(
-                    {
-                        "layer": layer.layer_idx,
-                        "m": pql.config.m,
-                        "bits": pql.method_state["index"].bits,
-                        "rerank": rerank,
-                        "opq": opq,
-                        "budget": budget,
-                        "recall": _mean(acc["recall"]),
-                        "mass_recall": _mean(acc["mass_recall"]),
-                        "qhead_recall": _mean(acc["qhead"]),
-                    }
-                )
+                bits_used = pql.method_state["index"].bits
+                rows.append(_row(layer.layer_idx, "pqcache", pql.config.m, bits_used, rerank, opq, budget, acc))
     base.close()
     return rows
+
+
+def _row(layer: int, method: str, m, bits, rerank, opq, budget, acc: dict) -> dict:
+    return {
+        "layer": layer,
+        "method": method,
+        "m": m,
+        "bits": bits,
+        "rerank": rerank,
+        "opq": opq,
+        "budget": budget,
+        "recall": _mean(acc["recall"]),
+        "mass_recall": _mean(acc["mass_recall"]),
+        "qhead_recall": _mean(acc["qhead"]),
+    }
 
 
 def _mean(xs: list[float]) -> float:
