@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None):
         max_question_chars=args.max_question_chars or None,
         documents=documents,
         store=make_store(args),
+        kv_dtype=args.kv_dtype,
     )
     idle = f"idle caches freed after {args.idle_minutes:g} min" if pool.idle_s else "idle caches kept"
     where = f"on each of {args.replicas} Ray replicas" if args.ray else "in this process"
@@ -216,6 +217,7 @@ def start_ray_workers(args: argparse.Namespace):
         dtype=args.dtype,
         decode_weights=args.decode_weights,
         store_dir=None if args.no_store else str(args.store or default_root()),
+        kv_dtype=args.kv_dtype,
     )
 
 

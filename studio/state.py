@@ -22,11 +22,18 @@ class Studio:
     # cluster's client (pqcache.cluster) has the same calls
     documents: object = None
     store: object = None  # a DocumentStore the in-process worker reads documents from and saves them to
+    kv_dtype: str = "auto"  # the host tier's keys and values (app.py --kv-dtype), for every document loaded
 
     def __post_init__(self):
         if self.documents is None:
             self.documents = DocumentWorker(
-                self.model, self.tokenizer, self.pool, self.pq_timeout_s, self.max_document_tokens, self.store
+                self.model,
+                self.tokenizer,
+                self.pool,
+                self.pq_timeout_s,
+                self.max_document_tokens,
+                self.store,
+                self.kv_dtype,
             )
 
     @property

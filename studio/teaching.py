@@ -57,6 +57,7 @@ class TeachingTab:
                 config = PQCacheConfig(
                     token_budget=number(budget, "token budget"),
                     pq_timeout_s=studio.pq_timeout_s,
+                    kv_dtype=studio.kv_dtype,
                     block_cache_tokens=DEVICE_BLOCK_CACHE_TOKENS,  # the walkthrough's fetch shows the GPU design
                 )
                 # the prefill's queries kept when a chosen method starts from them: no second read of the document

@@ -153,13 +153,14 @@ def app_url():
 
 @pytest.fixture(scope="session")
 def small_app_url():
-    """An app sized to make limits reachable: one request at a time, 40 MiB of caches (one ~1K-token
-    document of the bundled model is 23 MiB), documents up to 1200 tokens, 8 s K-Means timeout."""
+    """An app sized to make limits reachable: one request at a time, 34.8 MiB of caches (one ~1K-token
+    document of the bundled model is 19 MiB with float16 keys and values), documents up to 1200 tokens, 8 s
+    K-Means timeout."""
     yield from launch_app(
         "--concurrency",
         "1",
         "--max-cache-gib",
-        "0.04",
+        "0.034",
         "--max-document-tokens",
         "1200",
         "--idle-minutes",

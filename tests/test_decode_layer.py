@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 import pqcache.fastpath.layer as decode_layer
 from pqcache import PQCache, PQCacheConfig, native
+from pqcache.engine.full_attention import full_attention_cache
 from pqcache.engine.layer import onerow
 from pqcache.fastpath.install import install_fast_decode
 from pqcache.fastpath.layer import FastDecodeLayer
@@ -208,7 +209,7 @@ def test_fast_decode_layer_keeps_pqcache_at_full_budget_equal_to_full_attention(
     install_fast_decode(model)
     ids = torch.randint(1, 96, (1, 80), generator=torch.Generator().manual_seed(5))
     with torch.no_grad():
-        full = _decode(model, DynamicCache(config=model.config), ids)
+        full = _decode(model, full_attention_cache(model), ids)  # at the same KV dtype as PQCache's host tier
         cache = PQCache(model, FULL_BUDGET)
         pq = _decode(model, cache, ids)
     assert all(layer.stats["steps"] == 8 for layer in cache.pq_layers), "decode must run through the PQ path"

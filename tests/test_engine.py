@@ -5,6 +5,7 @@ import torch
 from transformers import DynamicCache
 
 from pqcache import PQCache, PQCacheConfig
+from pqcache.engine.full_attention import full_attention_cache
 
 from .conftest import greedy_generate, tiny_model
 
@@ -27,7 +28,7 @@ def test_full_budget_equals_full_attention(arch, batch):
     model = tiny_model(arch)
     ids, mask = _batch(lengths=(80, 57)[:batch])
     with torch.no_grad():
-        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config), mask=mask)
+        ref_seq, ref_scores = greedy_generate(model, ids, full_attention_cache(model), mask=mask)
         cache = PQCache(model, FULL_BUDGET)
         seq, scores = greedy_generate(model, ids, cache, mask=mask)
     assert cache.pq_layers, "the model must have PQ layers"
@@ -41,7 +42,7 @@ def test_small_budget_really_drops_tokens(arch):
     ids, mask = _batch(lengths=(200,))
     cfg = PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=5, bits=4)
     with torch.no_grad():
-        _, ref = greedy_generate(model, ids, DynamicCache(config=model.config), mask=mask)
+        _, ref = greedy_generate(model, ids, full_attention_cache(model), mask=mask)
         cache = PQCache(model, cfg)
         _, scores = greedy_generate(model, ids, cache, mask=mask)
     layer = cache.pq_layers[0]
@@ -75,7 +76,8 @@ def test_second_chunk_runs_against_cached_document(arch):
     doc = torch.randint(1, 96, (1, 90), generator=g)
     question = torch.randint(1, 96, (1, 12), generator=g)
     with torch.no_grad():
-        ref = model(torch.cat([doc, question], 1), use_cache=False).logits[:, -12:]
+        # full attention at the host tier's KV dtype, over the document and the question in one forward
+        ref = model(torch.cat([doc, question], 1), cache=full_attention_cache(model)).logits[:, -12:]
         cache = PQCache(model, FULL_BUDGET)
         model(doc, cache=cache)
         assert cache.get_seq_length() == 90
@@ -124,7 +126,7 @@ def test_memory_accounting_and_tiers():
     assert layer.method_state["index"].codes.dtype == torch.uint8
     n_layers = len(cache.pq_layers)
     assert stats["pq_bytes"] == n_layers * B * H * (cfg.m * S + cfg.n_centroids * D * 4)
-    assert stats["host_kv_bytes"] == n_layers * 2 * B * H * S * D * 4
+    assert stats["host_kv_bytes"] == n_layers * 2 * B * H * S * D * 2  # float16: kv_dtype "auto" on a CPU
     n_init, n_topk, n_local = cfg.split(S)
     # device: [sinks | window | top-k buffer | 1 new token] + the block cache
     per_layer_tokens = n_init + n_local + n_topk + 1 + min(cfg.block_cache_for("cpu"), S // 4 // 128 * 128)
@@ -158,7 +160,7 @@ def test_question_chunk_attends_exactly_then_decoding_selects():
     cfg = PQCacheConfig(token_budget=0.2, n_init=4, kmeans_iters=5, bits=4)
     assert cfg.chunk_attention == "exact"
     with torch.no_grad():
-        ref_cache = DynamicCache(config=model.config)
+        ref_cache = full_attention_cache(model)
         model(doc, cache=ref_cache)
         ref = model(question, cache=ref_cache).logits
         cache = PQCache(model, cfg)
@@ -214,7 +216,7 @@ def test_a_selection_past_the_document_equals_full_attention(arch, settings):
     ids, mask = _batch(seed=5, lengths=(300,))
     cfg = PQCacheConfig(kmeans_iters=5, bits=4, block_size=16, block_cache_tokens=64, **settings)
     with torch.no_grad():
-        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config), mask=mask)
+        ref_seq, ref_scores = greedy_generate(model, ids, full_attention_cache(model), mask=mask)
         cache = PQCache(model, cfg)
         seq, scores = greedy_generate(model, ids, cache, mask=mask)
     torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)

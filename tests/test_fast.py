@@ -10,6 +10,7 @@ from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
 
 from pqcache import PQCache, PQCacheConfig, native
 from pqcache.bench import e2e
+from pqcache.engine.full_attention import full_attention_cache
 from pqcache.fastpath import dtype as fast
 from pqcache.fastpath.lmhead import ExactArgmaxHead, install_exact_argmax_head
 from pqcache.fastpath.weights import DecodeLinear, FusedSiblings, install_decode_weights
@@ -28,7 +29,7 @@ def assert_full_budget_equals_full_attention(model, seed: int, tol: float):
     """Greedy decoding of 80 random ids: PQCache at a full budget gives full attention's tokens and scores."""
     ids = _ids(80, seed=seed)
     with torch.no_grad():
-        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config))
+        ref_seq, ref_scores = greedy_generate(model, ids, full_attention_cache(model))
         cache = PQCache(model, FULL_BUDGET)
         seq, scores = greedy_generate(model, ids, cache)
     assert all(layer.stats["steps"] == 5 for layer in cache.pq_layers), "decode must run through the PQ path"

@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from pqcache import PQCache, PQCacheConfig
+from pqcache.engine.full_attention import full_attention_cache
 from pqcache.engine.methods import METHODS, make_method
 from pqcache.engine.methods.pyramidkv import pyramid_budgets
 
@@ -29,7 +29,7 @@ def test_every_method_at_full_budget_equals_full_attention(method, arch):
     mask[1, :30] = 0
     ids[1, :30] = 0
     with torch.no_grad():
-        _, ref = greedy_generate(model, ids, DynamicCache(config=model.config), mask=mask)
+        _, ref = greedy_generate(model, ids, full_attention_cache(model), mask=mask)
         cache = PQCache(model, PQCacheConfig(token_budget=1.0, **SMALL), method=method)
         _, scores = greedy_generate(model, ids, cache, mask=mask)
     torch.testing.assert_close(scores, ref, rtol=1e-5, atol=1e-5)
@@ -259,7 +259,7 @@ def test_fork_shares_the_document_instead_of_copying_it():
         for _ in range(3):
             tok = model(tok, cache=fork).logits[:, -1:].argmax(-1)
     assert child.S == 303 and parent.S == 300
-    assert child.own_bytes == 2 * 1 * 2 * 3 * 16 * 4  # K and V of 3 tokens, 2 KV heads, head_dim 16, fp32
+    assert child.own_bytes == 2 * 1 * 2 * 3 * 16 * 2  # K and V of 3 tokens, 2 KV heads, head_dim 16, float16
     assert torch.equal(parent.keys(0, 300), before)
     assert torch.equal(child.keys(0, 300), before)  # read across the shared and own parts
     stats = fork.stats()

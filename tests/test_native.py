@@ -146,8 +146,8 @@ def test_gather_dot_scores_the_rows_where_they_lie(D, R):
         assert torch.equal(native.gather_dot(store, pos, q), got)
     finally:
         torch.set_num_threads(before)
-    with pytest.raises(ValueError, match="gather_dot"):
-        native.gather_dot(store.to(torch.bfloat16), pos, q)
+    with pytest.raises(ValueError, match="gather_dot"):  # a kind it does not read (half rows: the test below)
+        native.gather_dot(store.to(torch.float64), pos, q)
     for outside in (-1, 500):
         with pytest.raises(IndexError, match="outside a store of 500 rows"):
             native.gather_dot(store, torch.tensor([3, outside]), q)
@@ -168,6 +168,39 @@ def test_gather_weighted_sum_sums_the_rows_where_they_lie(D, R, n):
         native.gather_weighted_sum(store, torch.tensor([3, 500]), p[:2])
     with pytest.raises(ValueError, match="gather_weighted_sum"):
         native.gather_weighted_sum(store, pos, p[:-1])
+
+
+@pytest.mark.parametrize("kind", [torch.float16, torch.bfloat16])
+def test_gather_kernels_read_half_rows_as_the_float32_rows_of_the_same_numbers(kind):
+    """A key or value store in float16 or bfloat16 (the host tier's default kv_dtype on a CPU) is read in place,
+    each row widened to float32 first: the scores and weighted sums equal, bit for bit, those over a float32 store
+    of the same rounded numbers (on the vector paths and off them: D 64 and 40; enough rows for the threads)."""
+    g = torch.Generator().manual_seed(11)
+    for D, n in ((64, 700), (40, 33)):
+        buffer = torch.randn(2, 900, D, generator=g).to(kind)
+        store = buffer[1]  # rows D apart inside a larger buffer
+        pos = torch.randint(0, 900, (n,), generator=g)
+        q, p = torch.randn(3, D, generator=g), torch.rand(n, 3, generator=g)
+        assert torch.equal(native.gather_dot(store, pos, q), native.gather_dot(store.float(), pos, q))
+        assert torch.equal(native.gather_weighted_sum(store, pos, p), native.gather_weighted_sum(store.float(), pos, p))
+    with pytest.raises(ValueError, match="gather_dot"):
+        native.gather_dot(store.to(torch.float64), pos, q)
+
+
+def test_f16c_and_plain_widening_agree_on_every_half():
+    """The kernels widen float16 with F16C where the CPU has it and bit by bit elsewhere (half_rows.h): every finite
+    float16 (subnormals included) read through gather_dot against one-hot queries gives torch's own
+    float32 value, on the vector path (D 16) and the scalar tail (D 8); infinities and NaN stay what they are."""
+    every = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.float16)
+    finite = every[every.isfinite()]  # 63,490 values
+    for D in (16, 8):
+        store = torch.cat([finite, finite.new_zeros(-len(finite) % D)]).view(-1, D)
+        got = native.gather_dot(store, torch.arange(store.shape[0]), torch.eye(D))  # (rows, D): each element once
+        assert torch.equal(got, store.float())  # (a sum turns -0 into +0: equal values, not bits)
+        special = torch.zeros(3, D, dtype=torch.float16)
+        special[:, 0] = torch.tensor([float("inf"), float("-inf"), float("nan")])
+        got = native.gather_dot(special, torch.arange(3), torch.eye(D)[:1])[:, 0]
+        assert got[0] == float("inf") and got[1] == float("-inf") and got[2].isnan()
 
 
 def test_the_host_tiers_key_scores_read_across_a_forks_two_parts():

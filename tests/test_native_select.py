@@ -143,3 +143,24 @@ def test_attend_picks_is_softmax_attention_over_the_keys_and_the_picks(Hk, G, n_
     without_own = select.attend_picks(q, keys, values, n_keys, scaling, (old, valid, scores), (shared, S0, None))
     with_own = select.attend_picks(q, keys, values, n_keys, scaling, (old, valid, scores), (shared, S0, own))
     assert torch.equal(without_own, with_own)
+
+
+@pytest.mark.parametrize("kind", [torch.float16, torch.bfloat16])
+def test_attend_picks_reads_half_stores_as_the_float32_stores_of_the_same_numbers(kind):
+    """Value rows stored in float16 or bfloat16 (PQCacheConfig.kv_dtype) are widened to float32 as they are read:
+    the output is bit for bit the one over float32 stores holding the same rounded numbers, a fork's two parts
+    included; stores of two kinds are refused."""
+    g = torch.Generator().manual_seed(7)
+    Hk, G, D, S0, own_rows, n_keys, k = 2, 3, 64, 700, 90, 50, 300
+    shared = torch.randn(1, Hk, S0, D, generator=g).to(kind)
+    own = torch.randn(1, Hk, own_rows, D, generator=g).to(kind)
+    keys, values = torch.randn(2, 1, Hk, n_keys + 4, D, generator=g)
+    q = torch.randn(Hk * G, D, generator=g)
+    pos = torch.stack([torch.randperm(S0 + own_rows, generator=g)[:k].sort().values for _ in range(Hk)])
+    valid, scores = torch.rand(Hk, k, generator=g) > 0.1, torch.randn(Hk, k, G, generator=g)
+    picks = (pos, valid, scores)
+    half = select.attend_picks(q, keys, values, n_keys, 0.125, picks, (shared, S0, own), weights=True)
+    wide = select.attend_picks(q, keys, values, n_keys, 0.125, picks, (shared.float(), S0, own.float()), weights=True)
+    assert torch.equal(half[0], wide[0]) and torch.equal(half[1], wide[1])
+    with pytest.raises(ValueError, match="stores"):
+        select.attend_picks(q, keys, values, n_keys, 0.125, picks, (shared, S0, own.float()))

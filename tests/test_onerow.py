@@ -266,4 +266,5 @@ def test_values_read_in_place_keep_the_general_steps_tokens_and_picks(arch, sett
         assert x.counters == y.counters
         for got, want in zip(x.last_selection, y.last_selection, strict=True):
             assert torch.equal(got, want)
-        torch.testing.assert_close(x.host.values(0, x.host.S), y.host.values(0, y.host.S), rtol=1e-5, atol=1e-5)
+        # float32 rounding apart, then rounded to the host tier's float16: at most one float16 step apart
+        torch.testing.assert_close(x.host.values(0, x.host.S), y.host.values(0, y.host.S), rtol=2**-10, atol=1e-5)

@@ -5,6 +5,7 @@ import torch
 
 from pqcache import PQCache, PQCacheConfig, PQCacheConfigError
 from pqcache.engine import pq
+from pqcache.engine.full_attention import full_attention_cache
 from pqcache.engine.layer.standalone import filled_layer
 
 from .conftest import tiny_model
@@ -179,7 +180,7 @@ def test_opq_at_full_budget_equals_full_attention():
     model = tiny_model("qwen2")
     ids = torch.randint(1, 96, (1, 1200), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        ref = model(ids).logits[:, -1]
+        ref = model(ids, cache=full_attention_cache(model)).logits[:, -1]  # full attention at the same KV dtype
         cache = PQCache(model, PQCacheConfig(token_budget=1.0, n_init=4, bits=4, kmeans_iters=3, opq=True))
         model(ids[:, :-1], cache=cache)
         out = model(ids[:, -1:], cache=cache).logits[:, -1]

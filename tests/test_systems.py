@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache
 
 from pqcache import PQCache, PQCacheConfig
 from pqcache.engine import pq
 from pqcache.engine.errors import PQCacheConfigError
+from pqcache.engine.full_attention import full_attention_cache
 from pqcache.engine.layer import blockcache, onerow
 from pqcache.engine.layer.blockcache import BlockCache
 from pqcache.engine.layer.host import HostTier
@@ -257,7 +257,7 @@ def test_rebuild_every_n_tokens():
     ids = torch.randint(1, 96, (1, 200), generator=torch.Generator().manual_seed(4))
     cfg = PQCacheConfig(token_budget=1.0, n_local=8, rebuild_every=4, **SMALL)
     with torch.no_grad():
-        ref_seq, ref_scores = greedy_generate(model, ids, DynamicCache(config=model.config), n=12)
+        ref_seq, ref_scores = greedy_generate(model, ids, full_attention_cache(model), n=12)
         cache = PQCache(model, cfg)
         seq, scores = greedy_generate(model, ids, cache, n=12)
     cache.wait()

@@ -96,6 +96,7 @@ def bench_e2e(
     runners=RUNNERS,
     dtype: str | None = None,
     decode_weights: str = DEFAULT_DECODE_WEIGHTS,
+    kv_dtype: str = "auto",
     decode_tokens: int = 32,
     repeats: int = 1,
     threads: int | None = None,
@@ -131,6 +132,7 @@ def bench_e2e(
         "model": str(path),
         "dtype": dtype_name(resolve_dtype(dtype)),
         "decode_weights": decode_weights,
+        "config": {"kv_dtype": kv_dtype},  # PQCache's, and full attention's rounding (engine/full_attention.py)
         "threads": threads,
         "decode_tokens": decode_tokens,
         "chunk_tokens": chunk_tokens or PREFILL_CHUNK_TOKENS,
@@ -197,7 +199,8 @@ def describe(runner: str, common: dict) -> str:
     if runner == "llama.cpp":
         gguf = Path(common["gguf"]).name
         return f"{gguf}, n_threads={common['threads']}, n_batch=n_ubatch={common['n_batch']}, flash_attn"
-    cache = "DynamicCache" if runner == "full" else "PQCache defaults"
+    kv = common.get("config", {}).get("kv_dtype", "auto")
+    cache = f"DynamicCache, KV {kv}" if runner == "full" else f"PQCache defaults, KV {kv}"
     weights = f"{common['dtype']}, {common['decode_weights']} decode weights"
     if common["decode_weights"] != "model":  # the runners' processes find the same build (pqcache/native)
         weights += " (native kernels)" if native.library() is not None else " (torch's kernels)"
@@ -228,6 +231,7 @@ def cli_e2e(args) -> int:
         runners=tuple(r.strip() for r in (args.runners or ",".join(RUNNERS)).split(",") if r.strip()),
         dtype=args.dtype,
         decode_weights=args.decode_weights,
+        kv_dtype=args.kv_dtype,
         decode_tokens=args.decode_tokens or 32,
         repeats=args.repeats or 1,
         threads=args.threads,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.config import KV_DTYPES, PQCacheConfig
 from pqcache.engine.methods import METHODS
 from pqcache.fastpath.dtype import DTYPE_CHOICES
 from pqcache.fastpath.weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS
@@ -25,7 +25,15 @@ def _budget(text: str):
 
 
 def add_dtype_flags(parser):
-    """--dtype and --decode-weights: how the model's weights are read (shared with app.py)."""
+    """--dtype, --decode-weights and --kv-dtype: how the model's weights and its cache are read (shared with
+    app.py)."""
+    parser.add_argument(
+        "--kv-dtype",
+        default=PQCacheConfig.kv_dtype,
+        choices=list(KV_DTYPES),
+        help="the host tier's keys and values (default auto: float16 on a CPU running float32, half the bytes; "
+        "model: the model's dtype, as before this flag)",
+    )
     parser.add_argument(
         "--dtype",
         default=None,

@@ -62,6 +62,7 @@ def start_workers(
     dtype: str | None = None,
     decode_weights: str = DEFAULT_DECODE_WEIGHTS,
     store_dir: str | None = None,
+    kv_dtype: str = "auto",
 ) -> ClusterDocuments:
     """Deploy `replicas` document workers (each loads the model with `dtype` and `decode_weights`, as
     load_model: waits until all are up) and return the client. store_dir: a document store every replica reads and
@@ -94,6 +95,7 @@ def start_workers(
             dtype,
             decode_weights,
             None if store_dir is None else os.path.abspath(store_dir),
+            kv_dtype,
         )
         for i in range(replicas)
     ]

@@ -76,9 +76,9 @@ class DocumentReplica:
         dtype: str | None = None,
         decode_weights: str = DEFAULT_DECODE_WEIGHTS,
         store_dir: str | None = None,
+        kv_dtype: str = "auto",  # PQCacheConfig.kv_dtype: the host tier's keys and values
     ):
-        """store_dir: the document store's folder, the same for every replica (a shared filesystem across
-        machines): each load reads from and saves to it, so a document outlives its replica."""
+        """store_dir: the document store's folder, the same for every replica (a filesystem all machines share)."""
         import torch
 
         from pqcache import load_model
@@ -94,7 +94,7 @@ class DocumentReplica:
         if pool.idle_s is not None:
             pool.start_reaper(every_s=min(5.0, pool.idle_s / 4))
         store = None if store_dir is None else DocumentStore(store_dir)
-        self.worker = DocumentWorker(model, tokenizer, pool, pq_timeout_s, max_document_tokens, store)
+        self.worker = DocumentWorker(model, tokenizer, pool, pq_timeout_s, max_document_tokens, store, kv_dtype)
         self.incarnation = uuid.uuid4().hex[:12]
         self.slots = threading.Semaphore(max(1, concurrency))
         self.waiting = 0  # requests waiting for a model slot

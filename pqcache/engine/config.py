@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, replace
 from pqcache.engine.errors import PQCacheConfigError
 
 DEVICE_BLOCK_CACHE_TOKENS = 1024  # the block cache's capacity where block_cache_tokens is None, on an accelerator
+KV_DTYPES = ("auto", "model", "float32", "float16", "bfloat16")  # kv_dtype's choices
 
 
 def _is_int(x) -> bool:
@@ -73,79 +74,27 @@ class PQCacheConfig:
     # reports it in stats()["notices"]; "raise" raises PQBuildError.
     pq_timeout_s: float | None = 300.0
     on_pq_failure: str = "exact"
+    # The full-attention layers' keys and values in the host tier. "auto": float16 where the model computes in
+    # float32 on a CPU (half the bytes a token of float32, which a decode step reads; the native kernels widen each
+    # row to float32 as they read it), the model's own dtype elsewhere. "model": the model's dtype (float32 on a
+    # CPU: the behaviour before this setting). Or "float32", "float16", "bfloat16". Each key and value is rounded to
+    # it as it is stored, so every tier (host, window, block cache) and the prefill's own attention read the same
+    # numbers; the window and block cache keep them in the model's dtype (a step's working buffers).
+    kv_dtype: str = "auto"
 
     def __post_init__(self):
-        errors = []
-        if self.m is not None and (not _is_int(self.m) or self.m < 1):
-            errors.append(f"m (number of sub-spaces) must be None or a positive int, got {self.m!r}")
-        if self.bits is not None and (not _is_int(self.bits) or not 1 <= self.bits <= 8):
-            errors.append(f"bits must be None or an int in 1..8 so that codes fit in uint8, got {self.bits!r}")
-        b = self.token_budget
-        if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
-            errors.append(f"token_budget must be > 0 (a fraction in (0, 1] or a token count), got {b!r}")
-        elif isinstance(b, float) and b > 1 and not b.is_integer():
-            errors.append(f"token_budget {b} is neither a fraction in (0, 1] nor a whole token count")
-        if not _is_int(self.n_init) or self.n_init < 0:
-            errors.append(f"n_init must be an int >= 0, got {self.n_init!r}")
-        if self.n_local is not None and (not _is_int(self.n_local) or self.n_local < 1):
-            errors.append(
-                f"n_local must be None or an int >= 1 (the current token is always local), got {self.n_local!r}"
-            )
-        if not _is_int(self.seed):
-            errors.append(f"seed must be an int, got {self.seed!r}")
-        if (
-            isinstance(self.local_ratio, bool)
-            or not isinstance(self.local_ratio, (int, float))
-            or not 0 < self.local_ratio < 1
-        ):
-            errors.append(f"local_ratio must be in (0, 1), got {self.local_ratio!r}")
-        k = self.kmeans_iters
-        if not (k == "auto" or (_is_int(k) and k >= 1)):
-            errors.append(f"kmeans_iters must be 'auto' or an int >= 1, got {k!r}")
-        if self.metric not in ("l2", "ip"):
-            errors.append(f"metric must be 'l2' or 'ip', got {self.metric!r}")
-        if self.gqa_combine not in ("softmax_sum", "sum"):
-            errors.append(f"gqa_combine must be 'softmax_sum' or 'sum', got {self.gqa_combine!r}")
-        if self.chunk_attention not in ("exact", "selected"):
-            errors.append(f"chunk_attention must be 'exact' or 'selected', got {self.chunk_attention!r}")
-        if not _is_int(self.rerank_min_tokens) or self.rerank_min_tokens < 0:
-            errors.append(f"rerank_min_tokens must be an int >= 0, got {self.rerank_min_tokens!r}")
-        if not isinstance(self.opq, bool):
-            errors.append(f"opq must be True or False, got {self.opq!r}")
-        if not _is_int(self.rerank) or self.rerank < 1:
-            errors.append(f"rerank must be an int >= 1 (1: PQ scores alone), got {self.rerank!r}")
-        if not _is_int(self.block_size) or self.block_size < 1:
-            errors.append(f"block_size must be an int >= 1, got {self.block_size!r}")
-        elif self.block_cache_tokens is not None and (
-            not _is_int(self.block_cache_tokens)
-            or self.block_cache_tokens < 0
-            or self.block_cache_tokens % self.block_size
-        ):
-            errors.append(
-                f"block_cache_tokens must be None, 0 or a multiple of block_size={self.block_size}, "
-                f"got {self.block_cache_tokens!r}"
-            )
-        if not _is_int(self.block_admit) or self.block_admit < 1:
-            errors.append(f"block_admit must be an int >= 1, got {self.block_admit!r}")
-        if self.cache_policy not in ("lru", "lfu"):
-            errors.append(f"cache_policy must be 'lru' or 'lfu', got {self.cache_policy!r}")
-        if self.rebuild_every is not None and (not _is_int(self.rebuild_every) or self.rebuild_every < 1):
-            errors.append(f"rebuild_every must be None or an int >= 1, got {self.rebuild_every!r}")
-        if not _is_int(self.turn_min_tokens) or self.turn_min_tokens < 1:
-            errors.append(f"turn_min_tokens must be an int >= 1, got {self.turn_min_tokens!r}")
-        if not errors and self.is_absolute_budget and self.n_local is not None:
-            if self.n_init + self.n_local > int(b):
-                errors.append(
-                    f"token_budget={int(b)} tokens cannot hold n_init={self.n_init} sinks plus "
-                    f"n_local={self.n_local} recent tokens"
-                )
-        t = self.pq_timeout_s
-        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
-            errors.append(f"pq_timeout_s must be None or a number of seconds > 0, got {t!r}")
-        if self.on_pq_failure not in ("exact", "raise"):
-            errors.append(f"on_pq_failure must be 'exact' or 'raise', got {self.on_pq_failure!r}")
+        errors = config_errors(self)
         if errors:
             raise PQCacheConfigError("invalid PQCacheConfig: " + "; ".join(errors))
+
+    def kv_dtype_for(self, compute_dtype, device):
+        """The host tier's torch dtype for a model computing in compute_dtype on device (a torch.device)."""
+        import torch
+
+        if self.kv_dtype == "auto":
+            cpu_float32 = getattr(device, "type", device) == "cpu" and compute_dtype == torch.float32
+            return torch.float16 if cpu_float32 else compute_dtype
+        return compute_dtype if self.kv_dtype == "model" else getattr(torch, self.kv_dtype)
 
     @property
     def n_centroids(self) -> int:
@@ -212,3 +161,79 @@ class PQCacheConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def config_errors(config: PQCacheConfig) -> list[str]:
+    """Every problem of a config, in words (PQCacheConfig raises them together)."""
+    errors = []
+    if config.m is not None and (not _is_int(config.m) or config.m < 1):
+        errors.append(f"m (number of sub-spaces) must be None or a positive int, got {config.m!r}")
+    if config.bits is not None and (not _is_int(config.bits) or not 1 <= config.bits <= 8):
+        errors.append(f"bits must be None or an int in 1..8 so that codes fit in uint8, got {config.bits!r}")
+    b = config.token_budget
+    if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b) or b <= 0:
+        errors.append(f"token_budget must be > 0 (a fraction in (0, 1] or a token count), got {b!r}")
+    elif isinstance(b, float) and b > 1 and not b.is_integer():
+        errors.append(f"token_budget {b} is neither a fraction in (0, 1] nor a whole token count")
+    if not _is_int(config.n_init) or config.n_init < 0:
+        errors.append(f"n_init must be an int >= 0, got {config.n_init!r}")
+    if config.n_local is not None and (not _is_int(config.n_local) or config.n_local < 1):
+        errors.append(
+            f"n_local must be None or an int >= 1 (the current token is always local), got {config.n_local!r}"
+        )
+    if not _is_int(config.seed):
+        errors.append(f"seed must be an int, got {config.seed!r}")
+    if (
+        isinstance(config.local_ratio, bool)
+        or not isinstance(config.local_ratio, (int, float))
+        or not 0 < config.local_ratio < 1
+    ):
+        errors.append(f"local_ratio must be in (0, 1), got {config.local_ratio!r}")
+    k = config.kmeans_iters
+    if not (k == "auto" or (_is_int(k) and k >= 1)):
+        errors.append(f"kmeans_iters must be 'auto' or an int >= 1, got {k!r}")
+    if config.metric not in ("l2", "ip"):
+        errors.append(f"metric must be 'l2' or 'ip', got {config.metric!r}")
+    if config.gqa_combine not in ("softmax_sum", "sum"):
+        errors.append(f"gqa_combine must be 'softmax_sum' or 'sum', got {config.gqa_combine!r}")
+    if config.chunk_attention not in ("exact", "selected"):
+        errors.append(f"chunk_attention must be 'exact' or 'selected', got {config.chunk_attention!r}")
+    if not _is_int(config.rerank_min_tokens) or config.rerank_min_tokens < 0:
+        errors.append(f"rerank_min_tokens must be an int >= 0, got {config.rerank_min_tokens!r}")
+    if not isinstance(config.opq, bool):
+        errors.append(f"opq must be True or False, got {config.opq!r}")
+    if not _is_int(config.rerank) or config.rerank < 1:
+        errors.append(f"rerank must be an int >= 1 (1: PQ scores alone), got {config.rerank!r}")
+    if not _is_int(config.block_size) or config.block_size < 1:
+        errors.append(f"block_size must be an int >= 1, got {config.block_size!r}")
+    elif config.block_cache_tokens is not None and (
+        not _is_int(config.block_cache_tokens)
+        or config.block_cache_tokens < 0
+        or config.block_cache_tokens % config.block_size
+    ):
+        errors.append(
+            f"block_cache_tokens must be None, 0 or a multiple of block_size={config.block_size}, "
+            f"got {config.block_cache_tokens!r}"
+        )
+    if not _is_int(config.block_admit) or config.block_admit < 1:
+        errors.append(f"block_admit must be an int >= 1, got {config.block_admit!r}")
+    if config.cache_policy not in ("lru", "lfu"):
+        errors.append(f"cache_policy must be 'lru' or 'lfu', got {config.cache_policy!r}")
+    if config.rebuild_every is not None and (not _is_int(config.rebuild_every) or config.rebuild_every < 1):
+        errors.append(f"rebuild_every must be None or an int >= 1, got {config.rebuild_every!r}")
+    if not _is_int(config.turn_min_tokens) or config.turn_min_tokens < 1:
+        errors.append(f"turn_min_tokens must be an int >= 1, got {config.turn_min_tokens!r}")
+    if not errors and config.is_absolute_budget and config.n_local is not None:
+        if config.n_init + config.n_local > int(b):
+            errors.append(
+                f"token_budget={int(b)} tokens cannot hold n_init={config.n_init} sinks plus "
+                f"n_local={config.n_local} recent tokens"
+            )
+    t = config.pq_timeout_s
+    if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
+        errors.append(f"pq_timeout_s must be None or a number of seconds > 0, got {t!r}")
+    if config.on_pq_failure not in ("exact", "raise"):
+        errors.append(f"on_pq_failure must be 'exact' or 'raise', got {config.on_pq_failure!r}")
+    if config.kv_dtype not in KV_DTYPES:
+        errors.append(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {config.kv_dtype!r}")
+    return errors

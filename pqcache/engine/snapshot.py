@@ -36,8 +36,12 @@ def snapshot(cache: PQCache) -> tuple[dict[str, torch.Tensor], dict]:
         if isinstance(layer, PQLayer):
             if not layer.prefilled or layer.fallback:
                 raise SnapshotError(f"layer {i} is {'not prefilled' if not layer.prefilled else 'degraded'}")
-            host = layer.host  # (B, H, S, D) keys and values on the host
-            tensors[p + "keys"], tensors[p + "values"] = host.keys(0, host.S), host.values(0, host.S)
+            host = layer.host  # (B, H, S, D) keys and values on the host, in their storage dtype (kv_dtype)
+            kv = host.dtype
+            tensors[p + "keys"], tensors[p + "values"] = (
+                host.keys(0, host.S, dtype=kv),
+                host.values(0, host.S, dtype=kv),
+            )
             tensors[p + "valid"] = host.valid[:, : host.S].cpu()
             if layer.prefill_q is not None:  # (B, Hq, S, D): SnapKV and its kin start from them
                 tensors[p + "queries"] = layer.prefill_q
@@ -72,7 +76,7 @@ def restore(model, config: PQCacheConfig, tensors: dict, meta: dict, keep_querie
     if len(cache.layers) != len(meta["layers"]):
         raise SnapshotError(f"made for a model of {len(meta['layers'])} layers, this one has {len(cache.layers)}")
     text = model.config.get_text_config(decoder=True)
-    device = next(model.parameters()).device
+    device, dtype = next(model.parameters()).device, next(model.parameters()).dtype
     want = (getattr(text, "num_key_value_heads", None) or text.num_attention_heads, head_dim_of(text))
     try:
         for i, (layer, entry) in enumerate(zip(cache.layers, meta["layers"], strict=True)):
@@ -81,7 +85,9 @@ def restore(model, config: PQCacheConfig, tensors: dict, meta: dict, keep_querie
             if (keys.shape[1], keys.shape[3]) != want:
                 raise SnapshotError(f"layer {i} has {keys.shape[1]} KV heads of {keys.shape[3]}, the model {want}")
             if entry["kind"] == "pq" and isinstance(layer, PQLayer):
-                layer.update(keys, values)  # stored as a prefill stores them: the host tier
+                # stored as a prefill stores them (the host tier), in the model's dtype as the model gives them:
+                # rounded to the KV dtype again there, which changes nothing when the snapshot's was the same
+                layer.update(keys.to(dtype), values.to(dtype))
                 queries = tensors.get(p + "queries")
                 parent = {} if "index" not in entry else {"index": _index(layer, entry["index"], tensors, p)}
                 start_layer(layer, tensors[p + "valid"], queries, entry["scaling"], parent)

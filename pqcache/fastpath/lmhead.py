@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pqcache import native
+from pqcache.fastpath.pages import release
 from pqcache.fastpath.quantize import GROUP, int4_kernel_available, int8_kernel_takes, quantize_int4, quantize_rows
 
 BF16_UNIT = 2.0**-8  # unit roundoff of bf16 (8 significant bits, round to nearest): |bf16(v) - v| <= 2**-8 |v|
@@ -48,6 +49,7 @@ SLACK = 1 + 2.0**-7
 # and the kernels' fused dequantization (2**-23 of each weight) against ours (native: exact integer sums, then
 # three fp32 roundings, and h~ = a * xs rounded once in fp32)
 ACCUMULATION = 3 * 2.0**-24
+QUANTIZE_ROWS = 16384  # rows quantized at a time when the copies are built (40 MB of float temporaries for Gemma 3)
 # GROUP (quantize.py): groups of 64 would save 0.3 ms of the int4 kernel but leave 5x the candidates (25K vs 4.5K)
 
 
@@ -70,24 +72,35 @@ class ExactArgmaxHead(nn.Module):
         super().__init__()
         self.head, self.max_rows = head, max_rows
         self.max_candidates, self.max_int4_candidates = max_candidates, max_int4_candidates
-        w = head.weight.detach().float()  # (V, D)
+        w = head.weight.detach()  # (V, D)
         V, D = w.shape
         self.accumulation = ACCUMULATION * D
         # each bound is (N, stage's groups + 1) @ slack: the weights' error norms per group, then max|w_i|, which
         # multiplies h's bf16 rounding and the accumulation term (computed once, so a step spends one small matmul)
-        row_max = w.abs().amax(1, keepdim=True)  # (V, 1)
-        q, scale = quantize_rows(w)
+        q, scale, slack = torch.empty((V, D), dtype=torch.int8), torch.empty(V, dtype=torch.bfloat16), torch.empty(2, V)
+        row_max = torch.empty(V, 1)  # max|w_i|
+        self.released_bytes = 0
+        for start in range(0, V, QUANTIZE_ROWS):  # row by row alike: the float temporaries of a slice, not of all V
+            part = w[start : start + QUANTIZE_ROWS].float()
+            rows = slice(start, start + len(part))
+            q[rows], scale[rows] = quantize_rows(part)
+            # the error uses the scale the kernel really multiplies by (bf16), so it covers its rounding too
+            slack[0, rows] = (part - q[rows].float() * scale[rows].float()[:, None]).norm(dim=1) * SLACK
+            row_max[rows] = part.abs().amax(1, keepdim=True)
+            slack[1, rows] = row_max[rows, 0] * SLACK
+            # a step reads the copies and a few exact rows: the float weights' pages leave the resident set as they
+            # are quantized (pages.py; nothing where they are not a file's)
+            self.released_bytes += release(w[rows])
         self.register_buffer("q", q, persistent=False)  # (V, D) int8
         self.register_buffer("scale", scale, persistent=False)  # (V,) bf16
-        # the error uses the scale the kernel really multiplies by (bf16), so it covers its rounding too
-        err = (w - q.float() * scale.float()[:, None]).norm(dim=1, keepdim=True)  # (V, 1)
-        self.register_buffer("slack", (torch.cat([err, row_max], 1) * SLACK).T.contiguous(), persistent=False)  # (2, V)
+        self.register_buffer("slack", slack, persistent=False)  # (2, V)
         # the native kernel reads the same int8 rows and scales (in float32: the bf16 values, so `err` holds)
         self.native = native.Int8Product(q, scale.float()) if use_native and native.library() is not None else None
         # torch's int4 stage runs (decode_probe.py head A/Bs it); never beside the native kernel, which reads every
         # int8 row in about the time torch's int4 kernel takes, with its own rounding of h (activations)
         self.int4 = self.native is None and int4_kernel_available() and D % GROUP == 0
         if self.int4:
+            w = w.float()
             packed, sz, err4 = quantize_int4(F.pad(w, (0, 0, 0, -V % 64)))  # zero rows up to the kernel's blocks
             self.register_buffer("packed", packed, persistent=False)  # (V', D/2) uint8
             self.register_buffer("scales_and_zeros", sz, persistent=False)  # (G, V', 2) bf16

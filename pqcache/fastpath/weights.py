@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pqcache.fastpath.pages import Pages
 from pqcache.fastpath.quantize import WEIGHT_KINDS, is_four_bit
 
 DECODE_WEIGHTS = ("int8", "auto", "int4", "model")
@@ -25,6 +26,12 @@ DECODE_WEIGHTS = ("int8", "auto", "int4", "model")
 # int4 for every linear reads 2.5x fewer bytes a step but loses half the levels of the 5- and 8-bit tensors, and
 # changed the answer outright (tests/test_real_model.py; docs/results.md).
 DEFAULT_DECODE_WEIGHTS = "int8"
+
+# A longer forward (a prefill chunk, a question) reads the model's float weights; where they are a mapped file's pages
+# they are given back after each use (pages.py), so a process holds one layer's float weights at a time, not all
+# of them beside their int8 copies: 375 MB less for the bundled model, for re-reading them from the page cache at
+# the next chunk (docs/benchmarks.md's memory table: the prefill's tokens/s with and without).
+RELEASE_AFTER_USE = True
 
 # Sibling projections that read the same input: one matmul over their stacked rows serves them all.
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -38,6 +45,9 @@ class DecodeLinear(nn.Module):
         super().__init__()
         self.linear, self.kind, self.max_rows = linear, kind, max_rows
         self.weights = WEIGHT_KINDS[kind][0](linear.weight) if quantize else None  # Int8Rows or Int4Groups
+        # the model's weights, where they are a file's pages: read by longer forwards only, then given back
+        self.pages = Pages(linear.weight)
+        self.pages.release()
         self.group: FusedSiblings | None = None
         self.cols = slice(0, linear.out_features)  # this projection's columns of the group's output
 
@@ -56,7 +66,10 @@ class DecodeLinear(nn.Module):
         """x (..., K) -> (..., N)."""
         rows = x.numel() // x.shape[-1]
         if rows > self.max_rows or x.device.type != "cpu":
-            return self.linear(x)
+            y = self.linear(x)
+            if RELEASE_AFTER_USE:
+                self.pages.release()
+            return y
         if self.group is not None:
             y = self.group.output(x, rows)[:, self.cols].contiguous()  # its own tensor, not a view of the group's
         else:
@@ -82,6 +95,7 @@ class FusedSiblings:
         for m in members:
             n = m.linear.out_features
             m.weights, m.cols, m.group = None, slice(start, start + n), self
+            m.pages.release()  # read again for the stacked copy
             start += n
         # (input, its version, output): one tuple, swapped whole, so that threads sharing the model
         # (several sessions decoding at once) never pair one input with another's output

@@ -42,9 +42,13 @@ from pathlib import Path
 import torch
 
 SOURCES = [Path(__file__).with_name(name) for name in ("int8_rows.c", "gather_dot.c", "layer_step.c", "pq_select.c")]
-HEADERS = [Path(__file__).with_name("lanes16.h")]  # included by the sources: part of the build's name too
+HEADERS = [
+    Path(__file__).with_name(name) for name in ("lanes16.h", "half_rows.h")
+]  # included by the sources: part of the build's name too
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-std=c11", "-shared", "-fPIC")
 OPERANDS = (torch.int8, torch.float32)  # q, scale
+# the element kinds of a key or value store the kernels read in place (half_rows.h's KV_F32, KV_F16, KV_BF16)
+KV_KINDS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _why_not: list[str] = []  # why library() is None (set when it is)
 
 
@@ -108,16 +112,16 @@ def library() -> ctypes.CDLL | None:
     lib.int8_rows_mm.restype = ctypes.c_int
     lib.int8_rows_mm.argtypes = [pointer] * 4 + [size] * 3
     lib.gather_dot.restype = None
-    lib.gather_dot.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer]
+    lib.gather_dot.argtypes = [pointer, ctypes.c_int, size, pointer, size, pointer, size, size, pointer]
     lib.gather_weighted_sum.restype = ctypes.c_int
-    lib.gather_weighted_sum.argtypes = [pointer, size, pointer, size, pointer, size, size, pointer]
+    lib.gather_weighted_sum.argtypes = [pointer, ctypes.c_int, size, pointer, size, pointer, size, size, pointer]
     lib.layer_qkv.restype = lib.layer_out.restype = lib.attend_row.restype = ctypes.c_int
     lib.layer_qkv.argtypes = [pointer] * 5
     lib.layer_out.argtypes = [pointer] * 4
     lib.attend_row.argtypes = [pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, pointer]
     lib.attend_picks.restype = lib.pq_search.restype = lib.combine_top.restype = ctypes.c_int
     lib.attend_picks.argtypes = [pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, size]
-    lib.attend_picks.argtypes += [pointer] * 4 + [size] * 2 + [pointer, size, pointer, pointer]
+    lib.attend_picks.argtypes += [pointer] * 4 + [size] * 2 + [pointer, size, size, pointer, pointer]
     lib.pq_search.argtypes = [pointer, size, size, size, pointer, size, size, pointer, ctypes.c_int, size, pointer]
     lib.combine_top.argtypes = [pointer, size, size, pointer, ctypes.c_int, size, pointer]
     return lib
@@ -162,10 +166,10 @@ def int8_rows_mm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch
 
 
 def gather_weighted_sum(store: torch.Tensor, pos: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """store (S', D) float32 with unit column stride, pos (n,) int64 rows of it, p (n, R) float32 weights ->
-    (R, D) float32: p.T @ store[pos] without the gathered copy (gather_dot.c). Positions outside the store raise
-    IndexError. Needs library() (not None)."""
-    if store.dtype != torch.float32 or store.stride(1) != 1 or p.shape[0] != pos.numel():
+    """store (S', D) float32, float16 or bfloat16 with unit column stride, pos (n,) int64 rows of it, p (n, R)
+    float32 weights -> (R, D) float32: p.T @ store[pos] without the gathered copy (gather_dot.c; half rows widened
+    to float32 first). Positions outside the store raise IndexError. Needs library() (not None)."""
+    if store.dtype not in KV_KINDS or store.stride(1) != 1 or p.shape[0] != pos.numel():
         raise ValueError(f"gather_weighted_sum: store {tuple(store.shape)} {store.dtype}, p {tuple(p.shape)}")
     p, pos = p.to(torch.float32).contiguous(), pos.to(torch.int64).contiguous()
     n, R = p.shape
@@ -174,8 +178,8 @@ def gather_weighted_sum(store: torch.Tensor, pos: torch.Tensor, p: torch.Tensor)
         if low < 0 or high >= store.shape[0]:
             raise IndexError(f"gather_weighted_sum: positions {int(low)}..{int(high)} outside {store.shape[0]} rows")
     out = torch.empty(R, store.shape[1])
-    args = (store.data_ptr(), store.stride(0), pos.data_ptr(), n, p.data_ptr(), R, store.shape[1], out.data_ptr())
-    if library().gather_weighted_sum(*args):
+    args = (store.data_ptr(), KV_KINDS[store.dtype], store.stride(0), pos.data_ptr(), n, p.data_ptr(), R)
+    if library().gather_weighted_sum(*args, store.shape[1], out.data_ptr()):
         raise MemoryError("gather_weighted_sum: no memory for the partial sums")
     return out
 
@@ -193,11 +197,11 @@ def int16_rounding(x: torch.Tensor) -> torch.Tensor:
 
 
 def gather_dot(store: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """store (S', D) float32 with unit column stride (rows may be further apart: a view of a larger buffer), pos (n,)
-    int64 rows of it, q (R, D) float32 -> (n, R) float32: store[pos] @ q.T without the gathered copy
-    (gather_dot.c). A position outside the store raises IndexError, as an index would (C would read outside
-    the buffer). Needs library() (not None)."""
-    if store.dtype != torch.float32 or store.stride(1) != 1 or q.shape[1] != store.shape[1]:
+    """store (S', D) float32, float16 or bfloat16 with unit column stride (rows may be further apart: a view of a
+    larger buffer), pos (n,) int64 rows of it, q (R, D) float32 -> (n, R) float32: store[pos] @ q.T without the
+    gathered copy (gather_dot.c; half rows widened to float32 first). A position outside the store raises
+    IndexError, as an index would (C would read outside the buffer). Needs library() (not None)."""
+    if store.dtype not in KV_KINDS or store.stride(1) != 1 or q.shape[1] != store.shape[1]:
         raise ValueError(f"gather_dot: store {tuple(store.shape)} {store.dtype}, q {tuple(q.shape)}")
     q, pos = q.to(torch.float32).contiguous(), pos.to(torch.int64).contiguous()
     n, (R, D) = pos.numel(), q.shape
@@ -206,7 +210,8 @@ def gather_dot(store: torch.Tensor, pos: torch.Tensor, q: torch.Tensor) -> torch
         if low < 0 or high >= store.shape[0]:
             raise IndexError(f"gather_dot: positions {int(low)}..{int(high)} outside a store of {store.shape[0]} rows")
     out = torch.empty(n, R)
-    library().gather_dot(store.data_ptr(), store.stride(0), pos.data_ptr(), n, q.data_ptr(), R, D, out.data_ptr())
+    args = (store.data_ptr(), KV_KINDS[store.dtype], store.stride(0), pos.data_ptr(), n, q.data_ptr(), R, D)
+    library().gather_dot(*args, out.data_ptr())
     return out
 
 

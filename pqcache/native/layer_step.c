@@ -23,7 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "lanes16.h" /* 16 float lanes: AVX-512, or AVX2 in two halves */
+#include "half_rows.h" /* the host tier's rows in float32, float16 or bfloat16 */
+#include "lanes16.h"   /* 16 float lanes: AVX-512, or AVX2 in two halves */
 
 int int8_rows_mm(const float *x, const int8_t *q, const float *scale, float *y, int64_t R, int64_t N, int64_t K);
 
@@ -187,10 +188,12 @@ static void weighted_values(const float *p, int64_t g, const float *v, int64_t j
 /* A PQ layer's picks (layer/onerow.py): tokens whose scaled scores the re-rank computed and whose values are read
    where they lie in the host tier, a fork's two parts included. Per key/value head c: scores (count, group) at
    scores[c * count * group], valid and pos (count,) at [c * count]; position p's value row at shared + c *
-   shared_head + p * D when p < S0 (the parent's part of a fork), else at own + c * own_head + (p - S0) * D. */
+   shared_head + p * D when p < S0 (the parent's part of a fork), else at own + c * own_head + (p - S0) * D, in
+   elements of the stores' kind (half_rows.h: float32, float16 or bfloat16). */
 typedef struct {
-  int64_t count, S0, shared_head, own_head;
-  const float *scores, *shared, *own;
+  int64_t count, S0, shared_head, own_head, kind;
+  const float *scores;
+  const void *shared, *own;
   const uint8_t *valid;
   const int64_t *pos;
 } Picks;
@@ -199,19 +202,25 @@ typedef struct {
    against 0.27 ms a call for 3 x 394 picks among 8K tokens, 3 KV heads, caches cold, ad hoc) */
 #define PICKS_AHEAD 8
 
+/* where pick position p's value row of head c starts (an element's address, of the stores' kind) */
+static const void *pick_address(const Picks *P, int64_t c, int64_t p, int64_t D) {
+  int64_t size = kv_bytes((int)P->kind);
+  if (p < P->S0) return (const char *)P->shared + (c * P->shared_head + p * D) * size;
+  return (const char *)P->own + (c * P->own_head + (p - P->S0) * D) * size;
+}
+
 /* o (g, D) += sum over picks i0..i1 of p[h * n + n_keys + i] v(pos_i): weighted_values for rows read in place */
 static void weighted_picks(const float *p, int64_t g, const Picks *P, int64_t c, int64_t i0, int64_t i1, int64_t D,
                            float *o, int64_t n, int64_t n_keys) {
   const int64_t *pos = P->pos + c * P->count;
+  int64_t bytes = D * kv_bytes((int)P->kind);
+  float buf[P->kind == KV_F32 ? 1 : D]; /* a half row widened */
   for (int64_t i = i0; i < i1; i++) {
     if (i + PICKS_AHEAD < i1) { /* the rows lie scattered in a host tier too large for the caches: ask ahead */
-      int64_t p = pos[i + PICKS_AHEAD];
-      const char *ahead = (const char *)(p < P->S0 ? P->shared + c * P->shared_head + p * D
-                                                   : P->own + c * P->own_head + (p - P->S0) * D);
-      for (int64_t b = 0; b < D * (int64_t)sizeof(float); b += 64) __builtin_prefetch(ahead + b, 0, 0);
+      const char *ahead = pick_address(P, c, pos[i + PICKS_AHEAD], D);
+      for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(ahead + b, 0, 0);
     }
-    const float *v = pos[i] < P->S0 ? P->shared + c * P->shared_head + pos[i] * D
-                                    : P->own + c * P->own_head + (pos[i] - P->S0) * D;
+    const float *v = row_as_float(pick_address(P, c, pos[i], D), (int)P->kind, 0, 0, D, buf);
     for (int64_t h = 0; h < g; h++) {
       float w = p[h * n + n_keys + i];
       for (int64_t d = 0; d < D; d++) o[h * D + d] += w * v[d];
@@ -294,9 +303,9 @@ int attend_row(const float *q, int64_t Hq, const float *k, const float *v, int64
    (Hk, n + count): the attention each key and pick received, summed over the query heads that share its head. */
 int attend_picks(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride,
                  int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
-                 const uint8_t *pick_valid, const int64_t *pos, const float *shared, int64_t shared_head, int64_t S0,
-                 const float *own, int64_t own_head, float *out, float *weights) {
-  Picks P = {count, S0, shared_head, own_head, pick_scores, shared, own, pick_valid, pos};
+                 const uint8_t *pick_valid, const int64_t *pos, const void *shared, int64_t shared_head, int64_t S0,
+                 const void *own, int64_t own_head, int64_t kind, float *out, float *weights) {
+  Picks P = {count, S0, shared_head, own_head, kind, pick_scores, shared, own, pick_valid, pos};
   return attend(q, Hq, k, v, Hk, head_stride, n, &P, D, scaling, out, weights);
 }
 

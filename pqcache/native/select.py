@@ -78,16 +78,21 @@ def attend_picks(q, keys, values, n: int, scaling: float, picks, stores, weights
     q (Hq, D) float32; keys, values (1, Hk, N, D) float32 with rows of D floats (the layer's device window): slots
     0..n-1 attended. picks: pos (Hk, k) int64 host positions, valid (Hk, k) bool, scores (Hk, k, G) their scaled
     exact scores (the re-rank's). stores: (shared, S0, own), the host tier's value rows (1, Hk, rows, D) of a fork's
-    parent (None when not a fork: S0 = 0) and its own (None when it has none yet), read where they lie ->
+    parent (None when not a fork: S0 = 0) and its own (None when it has none yet), float32, float16 or bfloat16
+    (both of one kind), read where they lie ->
     (1, Hq * D); with weights=True also (Hk, n + k): the attention each slot and pick received, summed over the query
     heads of its KV head."""
     pos, valid, scores = picks
     shared, S0, own = stores
     Hq, D = q.shape
     Hk, k = pos.shape
-    parts = [t for t in (keys, values, own, shared) if t is not None]
-    if any(t.dtype != torch.float32 or t.stride()[2:] != (D, 1) for t in parts) or values.stride() != keys.stride():
-        raise ValueError("attend_picks: keys, values and the stores must be float32 rows of D floats")
+    stores_ = [t for t in (own, shared) if t is not None]
+    kind = stores_[0].dtype if stores_ else torch.float32
+    rows = [(t, torch.float32) for t in (keys, values)] + [(t, kind) for t in stores_]
+    if any(t.dtype != dtype or t.stride()[2:] != (D, 1) for t, dtype in rows) or values.stride() != keys.stride():
+        raise ValueError("attend_picks: keys and values must be float32 rows of D floats, the stores rows of one kind")
+    if kind not in native.KV_KINDS:
+        raise ValueError(f"attend_picks: stores of {kind} are not read in place")
     stored = S0 + (0 if own is None else own.shape[2])  # a fork that has stored nothing of its own: own is None
     if k and int(pos.max()) >= stored:
         raise IndexError(f"attend_picks: position {int(pos.max())} outside {stored} stored")
@@ -99,6 +104,7 @@ def attend_picks(q, keys, values, n: int, scaling: float, picks, stores, weights
     args += (scores.data_ptr(), valid.data_ptr(), pos.data_ptr())
     args += (0, 0, 0) if shared is None else (shared.data_ptr(), shared.stride(1), S0)
     args += (0, 0) if own is None else (own.data_ptr(), own.stride(1))
-    if native.library().attend_picks(*args, out.data_ptr(), 0 if received is None else received.data_ptr()):
+    args += (native.KV_KINDS[kind], out.data_ptr(), 0 if received is None else received.data_ptr())
+    if native.library().attend_picks(*args):
         raise MemoryError("attend_picks: no scratch memory")
     return (out, received) if weights else out

@@ -22,19 +22,20 @@ def document_bytes(model, config, method: str, n_tokens: int, device, keep_queri
     layer_types, kwargs = get_layer_types_and_kwargs(text_config)
     head_dim = head_dim_of(text_config)
     n_kv = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-    per_token = 2 * n_kv * head_dim * next(model.parameters()).element_size()
-    queries = n_tokens * text_config.num_attention_heads * head_dim * next(model.parameters()).element_size()
+    weight = next(model.parameters())
+    per_token = 2 * n_kv * head_dim * weight.element_size()  # in the model's dtype: windows, buffers, block cache
+    queries = n_tokens * text_config.num_attention_heads * head_dim * weight.element_size()
     queries *= keep_queries or make_method(method).needs_prefill_queries  # kept at load only then
     cfg = config.for_head_dim(head_dim)
+    host_per_token = 2 * n_kv * head_dim * cfg.kv_dtype_for(weight.dtype, device).itemsize  # the host tier's
     blocks = min(cfg.block_cache_for(device), n_tokens // 4) if holds_copies(device) else 0  # none held on a CPU
-    full = n_tokens + cfg.budget_tokens(n_tokens) + 1 + blocks
+    full = n_tokens * host_per_token + (cfg.budget_tokens(n_tokens) + 1 + blocks) * per_token
     # uint8 codes (m a token) and float32 centroids (2^bits x head_dim), and OPQ's rotation, per KV head
     pq = n_kv * (cfg.m * n_tokens + (1 << cfg.bits_for(n_tokens, head_dim)) * head_dim * 4)
     pq += n_kv * head_dim * head_dim * 4 if cfg.opq else 0
     window = [min(n_tokens, kw.get("sliding_window") or n_tokens) for kw in kwargs]
     return sum(
-        full * per_token + pq + queries if kind == "full_attention" else w * per_token
-        for kind, w in zip(layer_types, window)
+        full + pq + queries if kind == "full_attention" else w * per_token for kind, w in zip(layer_types, window)
     )
 
 

@@ -9,11 +9,12 @@ from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
 
 from pqcache.engine.cache import PQCache, kv_bytes
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import InputError
+from pqcache.engine.full_attention import full_attention_cache
+from pqcache.engine.heap import release_host_memory
 from pqcache.engine.methods import METHODS
 from pqcache.engine.sources import AttentionTally
 from pqcache.serving.hooks import layer_hooks
@@ -21,9 +22,10 @@ from pqcache.serving.stopping import StopRule
 
 
 def make_cache(model, method: str, config: PQCacheConfig | None = None):
-    """ "full" is transformers' own DynamicCache (the reference); every other method a PQCache."""
+    """ "full" is transformers' own DynamicCache (the reference), its full-attention layers at config's KV dtype as
+    PQCache's host tier keeps them (engine/full_attention.py); every other method a PQCache."""
     if method == "full":
-        return DynamicCache(config=model.config)
+        return full_attention_cache(model, config)
     if method not in METHODS:
         raise InputError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     return PQCache(model, config or PQCacheConfig(), method=method)
@@ -56,6 +58,9 @@ def prefill(
             on_chunk(i, len(starts))
         chunk = input_ids[:, start : start + chunk_tokens]
         logits = model(input_ids=chunk, cache=cache, use_cache=True, logits_to_keep=1).logits
+        # the chunk's activations go back to the OS: kept by the C heap, they added up to 200 MB of resident memory
+        # over an 8K prefill of the bundled model (measured; docs/benchmarks.md's memory table)
+        release_host_memory()
     return logits[:, -1]
 
 

@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pqcache.engine.errors import CapacityError, SessionEvictedError
+from pqcache.engine.heap import release_host_memory
 
 
 @dataclass
@@ -40,14 +41,6 @@ class Entry:
 
 def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def release_host_memory():
-    """Hand freed heap pages back to the OS (glibc keeps them otherwise; RSS would not drop)."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def limit_malloc_arenas(n: int = 2):

@@ -83,7 +83,10 @@ class LoadSettings:
         return list(astuple(self))
 
     def to_config(
-        self, pq_timeout_s: float | None = PQCacheConfig.pq_timeout_s, block_size: int = PQCacheConfig.block_size
+        self,
+        pq_timeout_s: float | None = PQCacheConfig.pq_timeout_s,
+        block_size: int = PQCacheConfig.block_size,
+        kv_dtype: str = PQCacheConfig.kv_dtype,
     ) -> PQCacheConfig:
         """The engine's config; PQCacheConfigError in the form's own words, naming the field typed wrong. The block
         cache holds whole blocks of `block_size` tokens: its capacity is rounded down to a multiple of it."""
@@ -136,6 +139,7 @@ class LoadSettings:
                 block_size=block_size,
                 block_cache_tokens=capacity // block_size * block_size,
                 pq_timeout_s=pq_timeout_s,
+                kv_dtype=kv_dtype,
             )
         except PQCacheConfigError as exc:  # none expected past the checks above; if one is, in the form's words
             raise PQCacheConfigError(in_form_words(str(exc))) from None

@@ -33,7 +33,16 @@ from pqcache.engine.errors import InputError
 FORMAT = 1
 TENSORS, MANIFEST, TEXT = "tensors.safetensors", "manifest.json", "document.txt"
 STALE_TMP_S = 3600.0  # a temporary folder this old was left by a writer that died
-KEY_SETTINGS = ("m", "bits", "metric", "opq", "seed", "kmeans_iters", "n_init")  # what shapes the saved cache
+KEY_SETTINGS = (
+    "m",
+    "bits",
+    "metric",
+    "opq",
+    "seed",
+    "kmeans_iters",
+    "n_init",
+    "kv_dtype",
+)  # what shapes the saved cache
 
 
 class StoreError(InputError):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 
+from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import PQCacheConfigError
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.session import DocumentSession
@@ -31,10 +32,13 @@ class DocumentWorker:
         pq_timeout_s: float | None = 120.0,
         max_document_tokens: int | None = None,
         store=None,
+        kv_dtype: str = PQCacheConfig.kv_dtype,
     ):
-        """store: a DocumentStore (serving/store.py) each load reads from and saves to; None: every load prefills."""
+        """store: a DocumentStore (serving/store.py) each load reads from and saves to; None: every load prefills.
+        kv_dtype: the host tier's keys and values (app.py --kv-dtype; PQCacheConfig.kv_dtype)."""
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
         self.pq_timeout_s, self.max_document_tokens, self.store = pq_timeout_s, max_document_tokens, store
+        self.kv_dtype = kv_dtype
 
     # ---- the pool's bookkeeping, as the tab uses it ---------------------------------------------------
     def entry(self, user: str):
@@ -75,7 +79,7 @@ class DocumentWorker:
         checked first; then the pool makes room (the previous document stays while both fit) or refuses. Raises what
         is wrong, settings in the form's words (Cancelled when `stop` was set); the reservation is then given back
         and the previous document, if kept, stays active."""
-        config = settings.to_config(pq_timeout_s=self.pq_timeout_s)
+        config = settings.to_config(pq_timeout_s=self.pq_timeout_s, kv_dtype=self.kv_dtype)
         session = DocumentSession(
             self.model, self.tokenizer, config, settings.method, self.max_document_tokens, store=self.store
         )

@@ -4,6 +4,10 @@ A fork of a prefilled cache (one per question in the app) shares the parent's to
 stores only the tokens it appends itself, so a question costs its own tokens, not a copy of the
 document. Readers never see the two parts: `keys(start, end)` and `rows(bh, pos)` read across them.
 
+The rows are kept in the storage dtype (PQCacheConfig.kv_dtype: float16 on a CPU by default, half the bytes of
+the model's float32) and read in the compute dtype (the model's): `keys`, `values`, `rows` and `gather` widen them,
+and the native kernels (key_scores, value_sums, onerow's attend_picks) widen each row as they read it in place.
+
 Shapes: B rows, H KV heads, D head_dim, cap positions of storage; positions are padded positions
 shared by the batch.
 """
@@ -17,9 +21,10 @@ from pqcache import native
 
 
 class HostTier:
-    def __init__(self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device):
-        """device: the compute device (the flags live there; the K/V live on the host)."""
+    def __init__(self, B: int, H: int, D: int, dtype: torch.dtype, device: torch.device, compute_dtype=None):
+        """dtype: the rows' storage, compute_dtype what readers get (None: dtype); device: the compute device."""
         self.B, self.H, self.D, self.dtype, self.device = B, H, D, dtype, device
+        self.compute_dtype = compute_dtype or dtype
         self.host = torch.device("cpu")
         self.pin = device.type == "cuda"
         self.S = 0  # positions stored
@@ -72,7 +77,8 @@ class HostTier:
 
     # ---- reading ---------------------------------------------------------------------------------
     def keys(self, start: int = 0, end: int | None = None, device=None, dtype=None) -> torch.Tensor:
-        """Keys of positions [start, end) -> (B, H, n, D) (a view when no copy is needed)."""
+        """Keys of positions [start, end) -> (B, H, n, D) in dtype (None: the compute dtype; a view when no copy is
+        needed)."""
         return self._slice(self.shared_k, self.own_k, start, end, device, dtype)
 
     def values(self, start: int = 0, end: int | None = None, device=None, dtype=None) -> torch.Tensor:
@@ -87,11 +93,11 @@ class HostTier:
             out = own[:, :, start - self.S0 : end - self.S0]
         else:
             out = torch.cat([shared[:, :, start : self.S0], own[:, :, : end - self.S0]], dim=2)
-        return out.to(device or out.device, dtype or out.dtype)
+        return out.to(device or out.device, dtype or self.compute_dtype)
 
     def rows(self, bh: torch.Tensor, pos: torch.Tensor, keys: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of (row * H + head, position) pairs: bh, pos (n,) on the host -> (n, D) each (K None when
-        keys=False)."""
+        """K and V of (row * H + head, position) pairs: bh, pos (n,) on the host -> (n, D) each in the compute dtype
+        (K None when keys=False)."""
         k = self._rows(self.shared_k, self.own_k, bh, pos) if keys else None
         return k, self._rows(self.shared_v, self.own_v, bh, pos)
 
@@ -102,10 +108,10 @@ class HostTier:
     def _rows(self, shared, own, bh, pos):
         self.sync()
         if self.S0 == 0:
-            return _take(own, bh, pos)
-        out = torch.empty((bh.numel(), self.D), dtype=self.dtype)
+            return _take(own, bh, pos).to(self.compute_dtype)
+        out = torch.empty((bh.numel(), self.D), dtype=self.compute_dtype)
         for idx, store, local in self._parts(shared, own, pos):
-            out[idx] = _take(store, bh[idx], local)
+            out[idx] = _take(store, bh[idx], local).to(self.compute_dtype)
         return out
 
     def _parts(self, shared, own, pos: torch.Tensor):
@@ -132,13 +138,14 @@ class HostTier:
             return query_key_dots(q.float(), self.keys(0, self.S, q.device, torch.float32))
         parts = [self.shared_k[:, :, : self.S0]] if self.S0 else []
         parts += [self.own_k[:, :, : self.S - self.S0]] if self.S > self.S0 else []
-        scores = [query_key_dots(q.to(self.dtype), part).float() for part in parts]
+        scores = [query_key_dots(q.to(self.compute_dtype), part.to(self.compute_dtype)).float() for part in parts]
         return scores[0] if len(scores) == 1 else torch.cat(scores, -1)
 
     @property
     def reads_in_place(self) -> bool:
-        """Whether key_scores and value_sums read rows where they lie: float32 rows and the native kernels built."""
-        return self.dtype == torch.float32 and native.library() is not None
+        """Whether key_scores and value_sums read rows where they lie: float32 compute over rows of a kind the native
+        kernels read (float32, float16, bfloat16), and those kernels built."""
+        return self.dtype in native.KV_KINDS and self.compute_dtype == torch.float32 and native.library() is not None
 
     def value_stores(self) -> tuple[torch.Tensor | None, int, torch.Tensor]:
         """(shared, S0, own): the value rows (B, H, rows, D) of a fork's parent part (None when not a fork) and of
@@ -149,7 +156,7 @@ class HostTier:
     def key_scores(self, pos: torch.Tensor, q: torch.Tensor) -> torch.Tensor | None:
         """pos (B, H, k) positions on the host, q (B, H, R, D) -> exact scores (B, H, k, R) = K[pos] . q, each key
         read where it lies (native.gather_dot: no gathered copy), or None where that kernel is not there or the
-        keys are not float32 (the caller gathers and multiplies)."""
+        compute is not float32 (the caller gathers and multiplies)."""
         if not self.reads_in_place:
             return None
         self.sync()
@@ -167,7 +174,7 @@ class HostTier:
 
     def value_sums(self, pos: torch.Tensor, p: torch.Tensor) -> torch.Tensor | None:
         """pos (B, H, k) positions on the host, p (B, H, k, R) weights -> (B, H, R, D) = p^T V[pos], each value
-        read where it lies (native.gather_weighted_sum), or None where that kernel is not there or the values are
+        read where it lies (native.gather_weighted_sum), or None where that kernel is not there or the compute is
         not float32 (the caller gathers them)."""
         if not self.reads_in_place:
             return None
@@ -197,11 +204,12 @@ class HostTier:
     # ---- forks -----------------------------------------------------------------------------------
     def fork(self) -> HostTier:
         """A tier that reads this one's tokens without copying them and appends its own."""
-        new = HostTier(self.B, self.H, self.D, self.dtype, self.device)
+        new = HostTier(self.B, self.H, self.D, self.dtype, self.device, self.compute_dtype)
         if self.S0 == 0 and self.own_k is not None:
             new.shared_k, new.shared_v = self.own_k, self.own_v
-        elif self.S:  # a fork of a fork: its two parts become one shared copy
-            new.shared_k, new.shared_v = self.keys(0, self.S).contiguous(), self.values(0, self.S).contiguous()
+        elif self.S:  # a fork of a fork: its two parts become one shared copy (in the storage dtype)
+            new.shared_k = self.keys(0, self.S, dtype=self.dtype).contiguous()
+            new.shared_v = self.values(0, self.S, dtype=self.dtype).contiguous()
         new.S0 = new.S = self.S
         new.cap = self.S
         new.valid = self.valid[:, : self.S].clone()

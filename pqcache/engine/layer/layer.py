@@ -80,13 +80,17 @@ class PQLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         B, H, _, D = key_states.shape
         self.config = self.config.for_head_dim(D)  # m chosen for the head size when unset
-        self.host = HostTier(B, H, D, key_states.dtype, key_states.device)
+        kv_dtype = self.config.kv_dtype_for(key_states.dtype, key_states.device)
+        self.host = HostTier(B, H, D, kv_dtype, key_states.device, compute_dtype=key_states.dtype)
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.host.dtype != key_states.dtype:  # rounded to the KV dtype once, here: every tier reads these numbers
+            key_states = key_states.to(self.host.dtype).to(key_states.dtype)
+            value_states = value_states.to(self.host.dtype).to(value_states.dtype)
         if key_states.shape[0] != self.host.B:
             raise InputError(f"PQCache was filled with batch size {self.host.B}, got {key_states.shape[0]}")
         if not self.prefilled:  # prefill: exact attention over what is returned; the tiers split in finish_prefill

@@ -57,7 +57,7 @@ class DeviceWindow:
         # at most a quarter of the prefill: a device tier as large as the context would defeat the purpose
         capacity = min(config.block_cache_for(self.device), S // 4 // config.block_size * config.block_size)
         if capacity >= config.block_size:  # on a CPU its books only (blockcache.py: the tiers are the same memory)
-            self.blocks = BlockCache(B, host.H, host.D, host.dtype, self.device, config.block_size, capacity,
+            self.blocks = BlockCache(B, host.H, host.D, host.compute_dtype, self.device, config.block_size, capacity,
                                      config.block_admit, policy, holds_values=holds_copies(self.device))  # fmt: skip
 
     def ensure(self, k: int, q: int):
@@ -67,7 +67,7 @@ class DeviceWindow:
         host = self.host
         k_cap, q_cap = max(k, self.k_cap + self.k_cap // 4), max(q, self.q_cap)
         n = self.n_init + self.L + k_cap + q_cap
-        new_k = torch.zeros((host.B, host.H, n, host.D), dtype=host.dtype, device=self.device)
+        new_k = torch.zeros((host.B, host.H, n, host.D), dtype=host.compute_dtype, device=self.device)
         new_v = torch.zeros_like(new_k)
         if getattr(self, "k", None) is not None:
             keep = self.n_init + self.L
