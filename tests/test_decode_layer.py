@@ -63,10 +63,11 @@ def _fast_steps(model) -> int:
     "make_cache",
     [
         lambda m: DynamicCache(config=m.config),
+        lambda m: full_attention_cache(m),  # its full-attention layers at the float16 KV dtype
         lambda m: PQCache(m, FULL_BUDGET),
         lambda m: PQCache(m, SMALL_BUDGET),
     ],
-    ids=["full", "pqcache-full-budget", "pqcache-budget-0.2"],
+    ids=["full", "full-float16-kv", "pqcache-full-budget", "pqcache-budget-0.2"],
 )
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ARCHS)

@@ -24,14 +24,16 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pqcache.engine.cache import ATTN_NAME, OBSERVER_HOOK, PQCache
+from pqcache.engine.full_attention import RoundedLayer
 from pqcache.engine.layer.layer import PQLayer
 from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 from pqcache.fastpath.layer import FastDecodeLayer
 
 # the causal LMs whose forward __call__ reproduces around their layers' FastDecodeLayer.step
 STEP_MODELS = ("Gemma3ForCausalLM", "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
-# cache layers whose update returns every key the new token attends to (PQCache's sliding windows, a DynamicCache's)
-PLAIN_LAYERS = (AppendSlidingWindowLayer, DynamicSlidingWindowLayer, DynamicLayer)
+# cache layers whose update returns every key the new token attends to (PQCache's sliding windows, a DynamicCache's,
+# full attention's at a KV dtype: engine/full_attention.py)
+PLAIN_LAYERS = (AppendSlidingWindowLayer, DynamicSlidingWindowLayer, DynamicLayer, RoundedLayer)
 
 
 class FastDecodeStep:
