@@ -16,6 +16,7 @@ would revert to the file's bytes). Elsewhere (a model built in memory, not Linux
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
 
@@ -75,6 +76,12 @@ class Pages:
         """-> the bytes advised (0: nothing to give back)."""
         if self.end <= self.start:
             return 0
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return self.end - self.start if libc.madvise(self.start, self.end - self.start, MADV_DONTNEED) == 0 else 0
+        return self.end - self.start if _madvise()(self.start, self.end - self.start, MADV_DONTNEED) == 0 else 0
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, looked up once (a prefill calls it for each decoder linear of each chunk)."""
+    madvise = ctypes.CDLL(None, use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
