@@ -154,8 +154,8 @@ def app_url():
 @pytest.fixture(scope="session")
 def small_app_url():
     """An app sized to make limits reachable: one request at a time, 34.8 MiB of caches (one ~1K-token
-    document of the bundled model is 19 MiB with float16 keys and values), documents up to 1200 tokens, 8 s
-    K-Means timeout."""
+    document of the bundled model reserves 23.5 MiB: float16 keys and values, its prefill queries kept), documents
+    up to 1200 tokens, 8 s K-Means timeout."""
     yield from launch_app(
         "--concurrency",
         "1",

@@ -165,6 +165,28 @@ def test_native_step_parts_match_the_torch_steps_parts(arch):
     torch.testing.assert_close(fast.native.out(x, attn), fast._mlp(x, attn), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", [torch.float16, torch.bfloat16])
+def test_native_attention_reads_a_half_window_as_float32_rows_of_the_same_numbers(kind):
+    """A sliding window kept at the KV dtype (layer/sliding.py) is attended where it lies, its rows widened a tile
+    at a time: the output equals attention over float32 rows of the same rounded numbers within float32 rounding
+    (the tiles add their sums to the output in turn), over windows shorter and longer than a tile, grouped heads."""
+    model = _tiny("gemma3", seed=7, kv_heads=2)
+    install_decode_weights(model)
+    install_fast_decode(model)
+    step = model.model.layers[0].forward.native
+    assert step is not None, native.status()
+    Hq, Hk, D = step.Hq, step.Hk, step.D
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(Hq, D, generator=g)
+    for n in (5, 16, 37, 300):
+        buffer_k, buffer_v = (torch.randn(1, Hk, n + 9, D, generator=g).to(kind) for _ in range(2))
+        key, value = buffer_k[:, :, 2 : 2 + n], buffer_v[:, :, 2 : 2 + n]  # a window's view inside its buffer
+        want = step.attend(q, key.float(), value.float(), 0.25)
+        torch.testing.assert_close(step.attend(q, key, value, 0.25), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="attend"):
+        step.attend(q, key, value.float(), 0.25)
+
+
 @pytest.mark.parametrize(
     "arch, prompt_tokens, kv_heads",
     [("gemma3", n, h) for n in (10, 70) for h in (1, 2, 4)] + [(a, 70, h) for a in ARCHS[1:] for h in (1, 4)],

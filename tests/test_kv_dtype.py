@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from pqcache import PQCache, PQCacheConfig
+from pqcache.engine.cache import kv_bytes
 from pqcache.engine.full_attention import RoundedLayer, full_attention_cache
 from pqcache.engine.snapshot import restore, snapshot
 from pqcache.serving.footprint import document_bytes
@@ -42,8 +43,9 @@ def test_a_full_budget_equals_full_attention_at_the_same_kv_dtype(arch, kv):
 
 
 def test_the_rounding_is_real_and_halves_the_host_tiers_bytes():
-    """float16 keys and values are not float32's (the logits move by float16's rounding), the host tier holds half
-    the bytes, and kv_dtype "model" keeps the model's float32 (the plain DynamicCache is its reference)."""
+    """float16 keys and values are not float32's (the logits move by float16's rounding), the host tier and the
+    step's buffer hold half the bytes, and kv_dtype "model" keeps the model's float32 (the plain DynamicCache is its
+    reference)."""
     model = tiny_model("llama")
     ids = torch.randint(1, 96, (1, 150), generator=torch.Generator().manual_seed(9))
     runs = {}
@@ -57,7 +59,8 @@ def test_the_rounding_is_real_and_halves_the_host_tiers_bytes():
     assert not torch.equal(half[0], wide[0])
     torch.testing.assert_close(half[0], wide[0], rtol=0.02, atol=0.02)  # float16's rounding, not another model
     assert half[1]["host_kv_bytes"] * 2 == wide[1]["host_kv_bytes"]
-    assert half[1]["device_kv_bytes"] == wide[1]["device_kv_bytes"]  # the step's buffers stay in float32
+    # on a CPU the step's buffer holds copies of host rows, at their dtype too
+    assert half[1]["device_kv_bytes"] * 2 == wide[1]["device_kv_bytes"]
 
 
 def test_generate_and_evals_full_method_run_at_the_configs_kv_dtype():
@@ -112,3 +115,35 @@ def test_the_pools_reservation_counts_the_host_tier_at_its_kv_dtype():
     assert wide - half == host_wide // 2
     cap = 64 * wide  # 64 documents of float32 rows; of float16 rows 115 here (the step's float32 buffers stay)
     assert cap // half >= 112
+
+
+def test_sliding_windows_keep_the_kv_dtype_and_hand_the_model_its_own():
+    """Gemma 3's sliding-window layers store their window at the KV dtype (half the bytes of float32's, the decode
+    steps' buffer included) and hand the model float32 keys and values, in prefill chunks and decode steps."""
+    model = tiny_model("gemma3")
+    ids = torch.randint(1, 96, (1, 60), generator=torch.Generator().manual_seed(5))
+    caches = {}
+    with torch.no_grad():
+        for kv in ("float16", "model"):
+            caches[kv] = cache = PQCache(model, PQCacheConfig(**FULL, kv_dtype=kv))
+            greedy_generate(model, ids, cache)
+    half, wide = caches["float16"].layers[0], caches["model"].layers[0]
+    assert half.keys.dtype == torch.float16 and wide.keys.dtype == torch.float32
+    assert half.buf_k is not None and kv_bytes(half) * 2 == kv_bytes(wide) > 0  # the decode buffer is counted
+    k = torch.randn(1, 2, 1, 16)
+    keys, values = half.update(k, k)
+    assert keys.dtype == values.dtype == torch.float32 and torch.equal(keys[:, :, -1:], k.half().float())
+
+
+def test_a_memory_cap_holds_twice_the_8k_documents_it_held_in_float32(real_model):
+    """The session pool's reservation for an 8K document of the bundled model (what decides whether one more fits):
+    under 1 GiB at least 28 documents, twice the 14 it held before half-precision KV (68.3 MiB each at 3e5a09c,
+    docs/benchmarks.md#half-precision-kv), and at least 1.9 times the documents of float32 rows today (the PQ
+    codes and centroids stay as they are)."""
+    model, _ = real_model
+    cap, n = 2**30, 8192
+    counts = {
+        kv: cap // document_bytes(model, PQCacheConfig(kv_dtype=kv), "pqcache", n, "cpu") for kv in ("auto", "model")
+    }
+    assert counts["auto"] >= 2 * 14
+    assert counts["auto"] >= 1.9 * counts["model"]

@@ -99,8 +99,10 @@ def kmeans_executor() -> ThreadPoolExecutor:
 
 
 def kv_bytes(layer) -> int:
-    """Bytes of K and V held by a plain transformers cache layer (DynamicLayer, sliding window)."""
-    keys = getattr(layer, "keys", None)
+    """Bytes of K and V held by a plain transformers cache layer (DynamicLayer, sliding window: the decode steps'
+    buffer its window is a view of, where it has one)."""
+    keys = getattr(layer, "buf_k", None)
+    keys = getattr(layer, "keys", None) if keys is None else keys
     return 0 if keys is None else 2 * keys.numel() * keys.element_size()
 
 
@@ -152,7 +154,7 @@ class PQCache(Cache):
                 layer.keep_queries = keep_queries or self.method.needs_prefill_queries
                 layers.append(layer)
             elif kind == "sliding_attention":
-                layers.append(AppendSlidingWindowLayer(**kw))
+                layers.append(AppendSlidingWindowLayer(**kw, kv_dtype_for=self.pq_config.kv_dtype_for))
             else:
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw))
         super().__init__(layers=layers)

@@ -2,18 +2,20 @@
 
 PQCache rounds each key and value of a full-attention layer to its KV dtype as it stores them (PQCacheConfig.kv_dtype:
 float16 on a CPU by default). Full attention compared with it, in `generate`, `eval` and the app's "full" method, is
-transformers' DynamicCache with the same rounding in its full-attention layers (sliding-window layers keep the
-model's dtype in both), so "PQCache at a budget past the document equals full attention" holds token for token at
-any KV dtype. The rounding happens in the layer's update, which the fast decode path calls directly too.
+transformers' DynamicCache with the same rounding in its full-attention layers and PQCache's own sliding-window
+layers (layer/sliding.py, their windows stored at the KV dtype as PQCache stores them), so "PQCache at a budget past
+the document equals full attention" holds token for token at any KV dtype. The rounding happens in the layers'
+update, which the fast decode path calls directly too.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 
 
 class RoundedLayer(DynamicLayer):
@@ -37,5 +39,14 @@ def full_attention_cache(model, config: PQCacheConfig | None = None) -> DynamicC
     weight = next(model.parameters())
     kv_dtype = (config or PQCacheConfig()).kv_dtype_for(weight.dtype, weight.device)
     if kv_dtype != weight.dtype:
-        cache.layers = [RoundedLayer(kv_dtype) if type(layer) is DynamicLayer else layer for layer in cache.layers]
+        cache.layers = [_rounded(layer, kv_dtype) for layer in cache.layers]
     return cache
+
+
+def _rounded(layer, kv_dtype: torch.dtype):
+    """A DynamicCache layer's counterpart that rounds to kv_dtype (other kinds of layer as they are)."""
+    if type(layer) is DynamicLayer:
+        return RoundedLayer(kv_dtype)
+    if type(layer) is DynamicSlidingWindowLayer:
+        return AppendSlidingWindowLayer(layer.sliding_window, kv_dtype_for=lambda *_: kv_dtype)
+    return layer

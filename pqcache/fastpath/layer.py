@@ -146,8 +146,8 @@ class FastDecodeLayer:
             cache_layer.update(key, value)
             out = cache_layer.attend(qkv[:Hq].view(1, Hq, 1, D), ONE_REAL, self.attn.scaling)  # (1, 1, Hq, D)
             out = out.reshape(1, Hq * D).contiguous()
-        else:  # every key the token attends to, its mask all ones
-            key, value = cache_layer.update(key, value)  # (1, Hk, n, D)
+        else:  # every key the token attends to, its mask all ones; a window's as stored (half rows read as they lie)
+            key, value = getattr(cache_layer, "update_stored", cache_layer.update)(key, value)  # (1, Hk, n, D)
             out = layer.attend(qkv[:Hq], key, value, self.attn.scaling)
         return layer.out(x, out)
 

@@ -118,9 +118,9 @@ def library() -> ctypes.CDLL | None:
     lib.layer_qkv.restype = lib.layer_out.restype = lib.attend_row.restype = ctypes.c_int
     lib.layer_qkv.argtypes = [pointer] * 5
     lib.layer_out.argtypes = [pointer] * 4
-    lib.attend_row.argtypes = [pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, pointer]
+    lib.attend_row.argtypes = [pointer, size, pointer, pointer, size, size, size, size, size, ctypes.c_float, pointer]
     lib.attend_picks.restype = lib.pq_search.restype = lib.combine_top.restype = ctypes.c_int
-    lib.attend_picks.argtypes = [pointer, size, pointer, pointer, size, size, size, size, ctypes.c_float, size]
+    lib.attend_picks.argtypes = [pointer, size, pointer, pointer, size, size, size, size, size, ctypes.c_float, size]
     lib.attend_picks.argtypes += [pointer] * 4 + [size] * 2 + [pointer, size, size, pointer, pointer]
     lib.pq_search.argtypes = [pointer, size, size, size, pointer, size, size, pointer, ctypes.c_int, size, pointer]
     lib.combine_top.argtypes = [pointer, size, size, pointer, ctypes.c_int, size, pointer]
@@ -252,14 +252,16 @@ class LayerStep:
         return out
 
     def attend(self, q: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-        """q (Hq, D) contiguous, key, value (1, Hk, n, D) with contiguous rows (a window's view is fine) and equal
-        strides -> (1, Hq * D): softmax attention of the one query row over all n keys."""
+        """q (Hq, D) contiguous, key, value (1, Hk, n, D) with contiguous rows (a window's view is fine), equal
+        strides and one dtype of KV_KINDS (half rows widened as read) -> (1, Hq * D): softmax attention of the one
+        query row over all n keys."""
         n = key.shape[2]
-        same = value.stride() == key.stride() and value.dtype == key.dtype == torch.float32
+        same = value.stride() == key.stride() and value.dtype == key.dtype and key.dtype in KV_KINDS
         if key.stride()[2:] != (self.D, 1) or not same:
-            raise ValueError(f"attend: keys {tuple(key.shape)} strides {key.stride()}, values {value.stride()}")
+            raise ValueError(f"attend: keys {tuple(key.shape)} {key.dtype} {key.stride()}, values {value.stride()}")
         out = torch.empty(1, self.Hq * self.D)
-        args = (q.data_ptr(), self.Hq, key.data_ptr(), value.data_ptr(), self.Hk, key.stride(1), n, self.D)
+        kind = KV_KINDS[key.dtype]
+        args = (q.data_ptr(), self.Hq, key.data_ptr(), value.data_ptr(), kind, self.Hk, key.stride(1), n, self.D)
         if self._lib.attend_row(*args, scaling, out.data_ptr()):
             raise MemoryError("attend_row: no scratch memory")
         return out

@@ -228,9 +228,46 @@ static void weighted_picks(const float *p, int64_t g, const Picks *P, int64_t c,
   }
 }
 
-/* attend_row's attention over the n_keys keys and, after them, the picks (NULL: none) */
-static int attend(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride,
-                  int64_t n_keys, const Picks *P, int64_t D, float scaling, float *out, float *weights) {
+/* rows of a half-precision window widened at a time (16 x D floats on the thread's stack) */
+#define HALF_TILE 16
+
+/* scores() over keys j0..j1 stored as `kind` (half_rows.h): float32 rows read as they lie, half rows widened
+   HALF_TILE at a time (each score is the same dot product of the same numbers) */
+static void kind_scores(const float *q, int64_t g, const void *k, int kind, int64_t j0, int64_t j1, int64_t D,
+                        float scaling, float *s, int64_t n) {
+  if (kind == KV_F32) {
+    scores(q, g, (const float *)k, j0, j1, D, scaling, s, n);
+    return;
+  }
+  float tile[HALF_TILE * D];
+  for (int64_t j = j0; j < j1; j += HALF_TILE) {
+    int64_t m = j1 - j < HALF_TILE ? j1 - j : HALF_TILE;
+    widen_row((const uint16_t *)k + j * D, kind, tile, m * D);
+    scores(q, g, tile, 0, m, D, scaling, s + j, n);
+  }
+}
+
+/* weighted_values() over values j0..j1 stored as `kind`: half rows widened HALF_TILE at a time, each tile's sums
+   added to o in turn */
+static void kind_weighted_values(const float *p, int64_t g, const void *v, int kind, int64_t j0, int64_t j1,
+                                 int64_t D, float *o, int64_t n) {
+  if (kind == KV_F32) {
+    weighted_values(p, g, (const float *)v, j0, j1, D, o, n);
+    return;
+  }
+  float tile[HALF_TILE * D];
+  for (int64_t j = j0; j < j1; j += HALF_TILE) {
+    int64_t m = j1 - j < HALF_TILE ? j1 - j : HALF_TILE;
+    widen_row((const uint16_t *)v + j * D, kind, tile, m * D);
+    weighted_values(p + j, g, tile, 0, m, D, o, n);
+  }
+}
+
+/* attend_row's attention over the n_keys keys (their rows of `kind`) and, after them, the picks (NULL: none) */
+static int attend(const float *q, int64_t Hq, const void *k, const void *v, int kind, int64_t Hk,
+                  int64_t head_stride, int64_t n_keys, const Picks *P, int64_t D, float scaling, float *out,
+                  float *weights) {
+  int64_t size = kv_bytes(kind);
   int64_t group = Hq / Hk, count = P == NULL ? 0 : P->count, n = n_keys + count;
   int threads = n >= 2048 ? omp_get_max_threads() : 1;
   float *s = malloc(sizeof(float) * Hq * n);             /* (Hq, n) scores, then unnormalised probabilities */
@@ -248,7 +285,8 @@ static int attend(const float *q, int64_t Hq, const float *k, const float *v, in
     int64_t j0 = n * t / nt, j1 = n * (t + 1) / nt; /* this thread's keys and picks, for scores and values */
     int64_t k0 = j0 < n_keys ? j0 : n_keys, k1 = j1 < n_keys ? j1 : n_keys; /* ...its keys */
     for (int64_t c = 0; c < Hk; c++) {
-      scores(q + c * group * D, group, k + c * head_stride, k0, k1, D, scaling, s + c * group * n, n);
+      kind_scores(q + c * group * D, group, (const char *)k + c * head_stride * size, kind, k0, k1, D, scaling,
+                  s + c * group * n, n);
       for (int64_t j = k1 > j0 ? k1 : j0; j < j1; j++) { /* its picks: the re-rank's scores */
         int64_t i = c * count + j - n_keys;
         for (int64_t h = 0; h < group; h++)
@@ -266,7 +304,8 @@ static int attend(const float *q, int64_t Hq, const float *k, const float *v, in
     }
     for (int64_t c = 0; c < Hk; c++) {
       float *o = part + (t * Hq + c * group) * D;
-      weighted_values(s + c * group * n, group, v + c * head_stride, k0, k1, D, o, n);
+      kind_weighted_values(s + c * group * n, group, (const char *)v + c * head_stride * size, kind, k0, k1, D, o,
+                           n);
       if (j1 > n_keys)
         weighted_picks(s + c * group * n, group, P, c, (k1 > j0 ? k1 : j0) - n_keys, j1 - n_keys, D, o, n, n_keys);
     }
@@ -290,23 +329,25 @@ static int attend(const float *q, int64_t Hq, const float *k, const float *v, in
 }
 
 /* q (Hq, D) -> out (Hq, D): softmax(scaling q . k_j) over the n keys, times the values. k and v: key/value head
-   c's row j at k[c * head_stride + j * D]. Query head h reads key/value head h / (Hq / Hk). Long contexts (a
-   full-attention layer) split the keys between the threads, each with its own partial sums. Returns 0, or -1
-   when scratch memory could not be allocated. */
-int attend_row(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride, int64_t n,
-               int64_t D, float scaling, float *out) {
-  return attend(q, Hq, k, v, Hk, head_stride, n, NULL, D, scaling, out, NULL);
+   c's row j at element c * head_stride + j * D, of `kind` (half_rows.h: a window kept in float16 or bfloat16 is
+   widened as it is read). Query head h reads key/value head h / (Hq / Hk). Long contexts (a full-attention
+   layer) split the keys between the threads, each with its own partial sums. Returns 0, or -1 when scratch
+   memory could not be allocated. */
+int attend_row(const float *q, int64_t Hq, const void *k, const void *v, int64_t kind, int64_t Hk,
+               int64_t head_stride, int64_t n, int64_t D, float scaling, float *out) {
+  return attend(q, Hq, k, v, (int)kind, Hk, head_stride, n, NULL, D, scaling, out, NULL);
 }
 
 /* attend_row over the n keys (a PQ layer's sinks, ring and new token) and a PQ layer's picks (see Picks): one
-   softmax over both. The picks' keys are never read, their values where they lie. weights (NULL: not wanted) gets
+   softmax over both. The picks' keys are never read, their values where they lie. k and v are of kv_kind (a
+   CPU's window buffer is kept at the host tier's kind), the stores of kind. weights (NULL: not wanted) gets
    (Hk, n + count): the attention each key and pick received, summed over the query heads that share its head. */
-int attend_picks(const float *q, int64_t Hq, const float *k, const float *v, int64_t Hk, int64_t head_stride,
-                 int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
+int attend_picks(const float *q, int64_t Hq, const void *k, const void *v, int64_t kv_kind, int64_t Hk,
+                 int64_t head_stride, int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
                  const uint8_t *pick_valid, const int64_t *pos, const void *shared, int64_t shared_head, int64_t S0,
                  const void *own, int64_t own_head, int64_t kind, float *out, float *weights) {
   Picks P = {count, S0, shared_head, own_head, kind, pick_scores, shared, own, pick_valid, pos};
-  return attend(q, Hq, k, v, Hk, head_stride, n, &P, D, scaling, out, weights);
+  return attend(q, Hq, k, v, (int)kv_kind, Hk, head_stride, n, &P, D, scaling, out, weights);
 }
 
 /* x (E,), the attention's output attn (Hq D,) -> y (E,): the rest of the layer (y may not be x) */

@@ -75,8 +75,9 @@ def _each_row(B: int, H: int, ks: list[int], k_max: int, n: int, kernel, name: s
 def attend_picks(q, keys, values, n: int, scaling: float, picks, stores, weights: bool = False):
     """One token's attention over a PQ layer's first n buffer slots and its picks, in one softmax.
 
-    q (Hq, D) float32; keys, values (1, Hk, N, D) float32 with rows of D floats (the layer's device window): slots
-    0..n-1 attended. picks: pos (Hk, k) int64 host positions, valid (Hk, k) bool, scores (Hk, k, G) their scaled
+    q (Hq, D) float32; keys, values (1, Hk, N, D) of one kind of native.KV_KINDS with rows of D elements (the
+    layer's device window, at the host tier's dtype on a CPU): slots 0..n-1 attended.
+    picks: pos (Hk, k) int64 host positions, valid (Hk, k) bool, scores (Hk, k, G) their scaled
     exact scores (the re-rank's). stores: (shared, S0, own), the host tier's value rows (1, Hk, rows, D) of a fork's
     parent (None when not a fork: S0 = 0) and its own (None when it has none yet), float32, float16 or bfloat16
     (both of one kind), read where they lie ->
@@ -88,11 +89,11 @@ def attend_picks(q, keys, values, n: int, scaling: float, picks, stores, weights
     Hk, k = pos.shape
     stores_ = [t for t in (own, shared) if t is not None]
     kind = stores_[0].dtype if stores_ else torch.float32
-    rows = [(t, torch.float32) for t in (keys, values)] + [(t, kind) for t in stores_]
+    rows = [(t, keys.dtype) for t in (keys, values)] + [(t, kind) for t in stores_]
     if any(t.dtype != dtype or t.stride()[2:] != (D, 1) for t, dtype in rows) or values.stride() != keys.stride():
-        raise ValueError("attend_picks: keys and values must be float32 rows of D floats, the stores rows of one kind")
-    if kind not in native.KV_KINDS:
-        raise ValueError(f"attend_picks: stores of {kind} are not read in place")
+        raise ValueError("attend_picks: keys and values must be rows of D elements of one kind, the stores too")
+    if kind not in native.KV_KINDS or keys.dtype not in native.KV_KINDS:
+        raise ValueError(f"attend_picks: keys of {keys.dtype}, stores of {kind}: not read in place")
     stored = S0 + (0 if own is None else own.shape[2])  # a fork that has stored nothing of its own: own is None
     if k and int(pos.max()) >= stored:
         raise IndexError(f"attend_picks: position {int(pos.max())} outside {stored} stored")
@@ -100,7 +101,8 @@ def attend_picks(q, keys, values, n: int, scaling: float, picks, stores, weights
     scores = scores.to(torch.float32).contiguous()
     out = torch.empty(1, Hq * D)
     received = torch.empty(Hk, n + k) if weights else None
-    args = (q.data_ptr(), Hq, keys.data_ptr(), values.data_ptr(), Hk, keys.stride(1), n, D, scaling, k)
+    args = (q.data_ptr(), Hq, keys.data_ptr(), values.data_ptr(), native.KV_KINDS[keys.dtype], Hk, keys.stride(1))
+    args += (n, D, scaling, k)
     args += (scores.data_ptr(), valid.data_ptr(), pos.data_ptr())
     args += (0, 0, 0) if shared is None else (shared.data_ptr(), shared.stride(1), S0)
     args += (0, 0) if own is None else (own.data_ptr(), own.stride(1))

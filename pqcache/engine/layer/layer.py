@@ -163,11 +163,11 @@ class PQLayer(CacheLayerMixin):
         start_layer(self, valid, query, scaling)
 
     def split_tiers(self):
-        """Sinks, window ring, top-k buffer and block cache for the current method and tokens."""
+        """Sinks, window ring and block cache for the current method and tokens; the top-k part of the buffer is
+        made by the first step that copies picks into it (a CPU's one-row step reads them in place: none)."""
         valid = self.host.valid[:, : self.S]
         splits = [self.method.split(self.config, int(n), self.view()) for n in valid.sum(1).tolist()]
         self.window = DeviceWindow(self.host, splits, self.config, self.method.cache_policy or self.config.cache_policy)
-        self.window.ensure(max(self.topk_counts()), 1)
 
     def topk_counts(self) -> list[int]:
         """Middle tokens each row fetches per step: the method's budget less what sinks and window hold."""

@@ -34,6 +34,7 @@ from pqcache.engine.layer.attention import masked_attention, query_key_dots
 from pqcache.engine.layer.probe import observe_picks
 from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
 from pqcache.engine.sources import add_weights
+from pqcache.native import KV_KINDS
 from pqcache.native import select as native_select
 
 VALUES_IN_PLACE = True  # the picks' values read in place (the tests switch it off to compare with the general step)
@@ -119,7 +120,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
             state.ones = torch.ones((1, H, 1, lo), dtype=torch.bool, device=layer.device)
         new_mask = new_valid.view(1, 1, 1, 1).expand(1, H, 1, 1)
         mask = torch.cat([state.ones, top_valid[:, :, None, :], new_mask], dim=3)
-        keys, values = window.k[:, :, : lo + kk + 1], window.v[:, :, : lo + kk + 1]
+        keys, values = window.k[:, :, : lo + kk + 1].to(q.dtype), window.v[:, :, : lo + kk + 1].to(q.dtype)
         known = None if scores is None else (lo, scores)
         out, probs = masked_attention(q, keys, values, mask, scaling, softcap, known)
         if layer.tally is not None:  # the buffer is [sinks | ring | picks | new], as window.positions lists it
@@ -136,7 +137,7 @@ def _attend_in_place(layer, q, lo: int, picks, k_new, v_new, new_valid, scaling:
     window, host = layer.window, layer.host
     _, H, G, D = q.shape
     kk = top.shape[2]
-    if NATIVE_ATTENTION and window.k.device.type == "cpu" and window.k.dtype == q.dtype == torch.float32:
+    if NATIVE_ATTENTION and window.k.device.type == "cpu" and window.k.dtype in KV_KINDS and q.dtype == torch.float32:
         # one C call: the new token goes into the buffer's first free slot, after the sinks and ring
         window.ensure(0, 1)
         window.k[:, :, lo], window.v[:, :, lo] = k_new[:, :, 0], v_new[:, :, 0]
@@ -151,14 +152,14 @@ def _attend_in_place(layer, q, lo: int, picks, k_new, v_new, new_valid, scaling:
                 torch.cat([slots, top[0]], 1), torch.cat([received[:, :lo], received[:, n:]], 1), layer.layer_idx
             )
         return out.view(1, 1, H * G, D)
-    window_scores = query_key_dots(q, window.k[:, :, :lo]) * scaling  # (1, H, G, lo)
+    window_scores = query_key_dots(q, window.k[:, :, :lo].to(q.dtype)) * scaling  # (1, H, G, lo)
     att = torch.cat([window_scores, scores.transpose(-1, -2), query_key_dots(q, k_new) * scaling], -1)
     hidden = torch.cat([~top_valid, ~new_valid.view(1, 1, 1).expand(1, H, 1)], -1)  # (1, H, k + 1)
     att[..., lo:].masked_fill_(hidden[:, :, None, :], float("-inf"))
     probs = att.softmax(dim=-1)  # (1, H, G, lo + k + 1)
     if layer.tally is not None:  # [sinks | ring | picks | new], as window.positions lists them
         add_weights(layer, probs.view(1, H, G, -1), window.positions(top, 1))
-    out = probs[..., :lo] @ window.v[:, :, :lo] + probs[..., lo + kk :] @ v_new  # (1, H, G, D)
+    out = probs[..., :lo] @ window.v[:, :, :lo].to(q.dtype) + probs[..., lo + kk :] @ v_new  # (1, H, G, D)
     out += host.value_sums(top.to(host.host), probs[..., lo : lo + kk].transpose(-1, -2)).to(out.device)
     return out.view(1, H * G, 1, D).transpose(1, 2)
 

@@ -7,26 +7,48 @@ and return a view of it; once the spare slots are used up, the window moves to t
 The keys and values returned, their order and the mask sizes are exactly the parent's, so attention is
 unchanged; longer forwards (a prefill chunk, a question) and recorded pasts use the parent's update.
 Memory: SPARE more tokens per layer than the window (each layer's buffer is its own).
+
+kv_dtype (PQCacheConfig.kv_dtype: float16 on a CPU by default) is the window's storage, as for the host tier: keys
+and values are rounded to it as they arrive (the window then holds half the bytes) and `update` hands them back
+in the model's dtype; `update_stored` hands back the stored rows themselves (the native decode step reads half
+rows as they lie). Full attention at the same KV dtype (full_attention.py) keeps its windows the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-SPARE = 256  # decode steps between two moves of the window
+SPARE = 64  # decode steps between two moves of the window: a copy of the window every 64 steps (0.5 MB a layer in
+# float16 for the bundled model, about 8 KB a step) against 64 more tokens a layer held (the pool counts them)
 
 
 class AppendSlidingWindowLayer(DynamicSlidingWindowLayer):
     max_append = 4  # tokens per update that take the in-place path
 
-    def __init__(self, sliding_window: int, **kwargs):
+    def __init__(self, sliding_window: int, kv_dtype_for: Callable | None = None, **kwargs):
+        """kv_dtype_for(compute_dtype, device) -> the window's storage dtype (PQCacheConfig.kv_dtype_for), asked at
+        the first update; None: the dtype the keys arrive in."""
         super().__init__(sliding_window, **kwargs)
+        self.kv_dtype_for, self.kv_dtype = kv_dtype_for, None
         self.buf_k = self.buf_v = None  # (B, H, keep + SPARE, D)
         self.end = 0  # tokens written into the buffers; the window is buf[:, :, end - len(window) : end]
         self._window_k = None  # the keys view this layer set last
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """The parent's update: every key and value the new tokens attend to, in key_states' dtype."""
+        keys, values = self.update_stored(key_states, value_states, *args, **kwargs)
+        return keys.to(key_states.dtype), values.to(value_states.dtype)
+
+    def update_stored(self, key_states, value_states, *args, **kwargs):
+        """`update`, its keys and values as stored (kv_dtype): views of the window where a decode step appended."""
+        if self.kv_dtype is None:
+            rule = self.kv_dtype_for
+            self.kv_dtype = key_states.dtype if rule is None else rule(key_states.dtype, key_states.device)
+        if key_states.dtype != self.kv_dtype:
+            key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
         Q = key_states.shape[-2]
         if not self.is_initialized or self.record_past or Q > self.max_append:
             self.buf_k = self.buf_v = self._window_k = None

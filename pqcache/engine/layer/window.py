@@ -23,6 +23,9 @@ class DeviceWindow:
         """splits: (n_init, n_topk, n_local) of each row, from the method. Marks the sinks as not
         searchable in the host tier, copies sinks and window to the device, sizes the block cache."""
         self.host, self.device = host, host.device
+        # the buffer's rows: on a CPU the tiers are one memory and the buffer holds copies of host rows, kept at
+        # their dtype (half the bytes with float16 KV; readers widen); elsewhere the compute dtype attention reads
+        self.dtype = host.dtype if self.device.type == "cpu" else host.compute_dtype
         B, S = host.B, host.S
         valid = host.valid[:, :S]
         self.n_real = [int(n) for n in valid.sum(1).tolist()]
@@ -47,7 +50,7 @@ class DeviceWindow:
         self.sink_end = (sink_end.amax(1, keepdim=True) if self.n_init else sink_end.new_zeros(B, 1)).to(self.device)
 
         self.k_cap = self.q_cap = 0
-        self.ensure(1, 1)
+        self.ensure(0, 1)  # the top-k part: made by the first step that copies picks (fetch, onerow's general step)
         self.k[:, :, : self.n_init], self.v[:, :, : self.n_init] = host.gather(self.init_pos)
         self.slot_pos = torch.full((self.L,), -1, dtype=torch.long)  # position held by each ring slot
         first = max(0, S - self.L)
@@ -67,7 +70,7 @@ class DeviceWindow:
         host = self.host
         k_cap, q_cap = max(k, self.k_cap + self.k_cap // 4), max(q, self.q_cap)
         n = self.n_init + self.L + k_cap + q_cap
-        new_k = torch.zeros((host.B, host.H, n, host.D), dtype=host.compute_dtype, device=self.device)
+        new_k = torch.zeros((host.B, host.H, n, host.D), dtype=self.dtype, device=self.device)
         new_v = torch.zeros_like(new_k)
         if getattr(self, "k", None) is not None:
             keep = self.n_init + self.L
@@ -93,8 +96,8 @@ class DeviceWindow:
             pos = torch.arange(start + first, start + Q)
             slots = self.n_init + pos % self.L
             self.slot_pos[pos % self.L] = pos
-        self.k[:, :, slots] = k[:, :, first:].to(self.device, non_blocking=True)
-        self.v[:, :, slots] = v[:, :, first:].to(self.device, non_blocking=True)
+        self.k[:, :, slots] = k[:, :, first:].to(self.device, self.dtype, non_blocking=True)
+        self.v[:, :, slots] = v[:, :, first:].to(self.device, self.dtype, non_blocking=True)
 
     def fetch(self, top: torch.Tensor, valid: torch.Tensor, span, keys: bool = True) -> dict:
         """K/V of host positions top (B, H, k) into the top-k part of the buffer: block-cache hits from the
@@ -116,15 +119,15 @@ class DeviceWindow:
         if hit_rows.numel():
             hk, hv = self.blocks.read(slot, top, hit_rows, keys)
             if keys:
-                out_k.index_copy_(0, dest[hit_rows], hk)
-            out_v.index_copy_(0, dest[hit_rows], hv)
+                out_k.index_copy_(0, dest[hit_rows], hk.to(self.dtype))
+            out_v.index_copy_(0, dest[hit_rows], hv.to(self.dtype))
         with span("copy to device"):
             miss = miss_rows.to(host.host)
             bh = torch.arange(B * H).view(B, H, 1).expand(B, H, k).reshape(-1)[miss]
             mk, mv = host.rows(bh, top.to(host.host).reshape(-1)[miss], keys)
             if keys:
-                out_k.index_copy_(0, dest[miss_rows], mk.to(self.device, non_blocking=True))
-            out_v.index_copy_(0, dest[miss_rows], mv.to(self.device, non_blocking=True))
+                out_k.index_copy_(0, dest[miss_rows], mk.to(self.device, self.dtype, non_blocking=True))
+            out_v.index_copy_(0, dest[miss_rows], mv.to(self.device, self.dtype, non_blocking=True))
             admitted = self.admit(top, valid)
         return self.moved(hit, valid, keys, admitted)
 
@@ -164,7 +167,8 @@ class DeviceWindow:
         k, Q, lo = top_valid.shape[2], k_new.shape[2], self.n_init + self.L
         self.k[:, :, lo + k : lo + k + Q] = k_new
         self.v[:, :, lo + k : lo + k + Q] = v_new
-        keys, values = self.k[:, :, : lo + k + Q], self.v[:, :, : lo + k + Q]
+        compute = host.compute_dtype
+        keys, values = self.k[:, :, : lo + k + Q].to(compute), self.v[:, :, : lo + k + Q].to(compute)
         ring_valid = self.ring_valid()
         ctx_valid = torch.cat(
             [self.init_valid[:, None, :].expand(B, H, -1), ring_valid[:, None, :].expand(B, H, -1), top_valid], dim=2
