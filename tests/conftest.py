@@ -153,14 +153,14 @@ def app_url():
 
 @pytest.fixture(scope="session")
 def small_app_url():
-    """An app sized to make limits reachable: one request at a time, 34.8 MiB of caches (one ~1K-token
-    document of the bundled model reserves 23.5 MiB: float16 keys and values, its prefill queries kept), documents
+    """An app sized to make limits reachable: one request at a time, 18.4 MiB of caches (one ~1K-token
+    document of the bundled model reserves about 12 MiB and holds 10.7: float16 keys, values and windows), documents
     up to 1200 tokens, 8 s K-Means timeout."""
     yield from launch_app(
         "--concurrency",
         "1",
         "--max-cache-gib",
-        "0.034",
+        "0.018",
         "--max-document-tokens",
         "1200",
         "--idle-minutes",

@@ -102,18 +102,19 @@ def test_a_snapshot_keeps_half_rows_and_answers_as_the_prefill_did():
 
 
 def test_the_pools_reservation_counts_the_host_tier_at_its_kv_dtype():
-    """The bytes the session pool reserves for a document: the host tier's share halves with float16 rows, the rest
-    (the step's buffers, PQ codes and centroids, sliding windows) does not. A model whose every layer is a
-    full-attention layer (as SmolLM2's 30) then holds 1.8 times the documents under one cap."""
+    """The bytes the session pool reserves for a document: the host tier's share and, on a CPU, the step's buffer
+    (copies of host rows) halve with float16 rows; the PQ codes and centroids do not. A model whose every layer is a
+    full-attention layer (as SmolLM2's 30) then holds 1.9 times the documents under one cap."""
     model = tiny_model("llama")
     n = 8192
     half = document_bytes(model, PQCacheConfig(), "pqcache", n, "cpu")
     wide = document_bytes(model, PQCacheConfig(kv_dtype="float32"), "pqcache", n, "cpu")
     text = model.config
     host_wide = text.num_hidden_layers * 2 * text.num_key_value_heads * (text.hidden_size // text.num_attention_heads)
+    buffer_wide = host_wide * (PQCacheConfig().budget_tokens(n) + 1) * 4  # the budget plus the new token's slot
     host_wide *= n * 4
-    assert wide - half == host_wide // 2
-    cap = 64 * wide  # 64 documents of float32 rows; of float16 rows 115 here (the step's float32 buffers stay)
+    assert wide - half == host_wide // 2 + buffer_wide // 2
+    cap = 64 * wide  # 64 documents of float32 rows; of float16 rows 124 here (the PQ index stays)
     assert cap // half >= 112
 
 
