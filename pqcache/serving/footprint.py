@@ -9,6 +9,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 from pqcache.engine.cache import PQCache
 from pqcache.engine.layer.blockcache import holds_copies
 from pqcache.engine.layer.sliding import SPARE
+from pqcache.engine.layer.window import buffer_dtype
 from pqcache.engine.methods import make_method
 from pqcache.engine.shapes import head_dim_of
 from pqcache.serving.generate import prefill
@@ -30,9 +31,10 @@ def document_bytes(model, config, method: str, n_tokens: int, device, keep_queri
     queries = n_tokens * text_config.num_attention_heads * head_dim * weight.element_size()
     queries *= keep_queries or make_method(method).needs_prefill_queries  # kept at load only then
     cfg = config.for_head_dim(head_dim)
-    host_per_token = 2 * n_kv * head_dim * cfg.kv_dtype_for(weight.dtype, device).itemsize  # host tier, windows
+    kv_dtype = cfg.kv_dtype_for(weight.dtype, device)
+    host_per_token = 2 * n_kv * head_dim * kv_dtype.itemsize  # host tier, windows
     blocks = min(cfg.block_cache_for(device), n_tokens // 4) if holds_copies(device) else 0  # none held on a CPU
-    buffer = host_per_token if getattr(device, "type", device) == "cpu" else per_token  # layer/window.py's dtype
+    buffer = 2 * n_kv * head_dim * buffer_dtype(kv_dtype, weight.dtype, device).itemsize
     full = n_tokens * host_per_token + (cfg.budget_tokens(n_tokens) + 1) * buffer + blocks * per_token
     # uint8 codes (m a token) and float32 centroids (2^bits x head_dim), and OPQ's rotation, per KV head
     pq = n_kv * (cfg.m * n_tokens + (1 << cfg.bits_for(n_tokens, head_dim)) * head_dim * 4)

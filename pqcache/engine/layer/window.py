@@ -18,14 +18,18 @@ from pqcache.engine.layer.blockcache import BlockCache, holds_copies
 from pqcache.engine.layer.host import HostTier
 
 
+def buffer_dtype(kv_dtype: torch.dtype, compute_dtype: torch.dtype, device) -> torch.dtype:
+    """The buffer's rows: on a CPU the tiers are one memory and the buffer holds copies of host rows, kept at their
+    dtype (half the bytes with float16 KV; readers widen); elsewhere the compute dtype attention reads."""
+    return kv_dtype if getattr(device, "type", device) == "cpu" else compute_dtype
+
+
 class DeviceWindow:
     def __init__(self, host: HostTier, splits: list[tuple[int, int, int]], config: PQCacheConfig, policy: str):
         """splits: (n_init, n_topk, n_local) of each row, from the method. Marks the sinks as not
         searchable in the host tier, copies sinks and window to the device, sizes the block cache."""
         self.host, self.device = host, host.device
-        # the buffer's rows: on a CPU the tiers are one memory and the buffer holds copies of host rows, kept at
-        # their dtype (half the bytes with float16 KV; readers widen); elsewhere the compute dtype attention reads
-        self.dtype = host.dtype if self.device.type == "cpu" else host.compute_dtype
+        self.dtype = buffer_dtype(host.dtype, host.compute_dtype, self.device)
         B, S = host.B, host.S
         valid = host.valid[:, :S]
         self.n_real = [int(n) for n in valid.sum(1).tolist()]
