@@ -74,3 +74,32 @@ def test_a_chunked_prefill_hands_its_temporaries_back_and_keeps_its_answer(monke
     assert len(calls) == 5
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
     release_host_memory()  # callable anywhere, any number of times
+
+
+@pytest.mark.parametrize("use_native", [True, False])
+def test_a_step_with_many_exact_rows_gives_the_heads_file_pages_back(tmp_path, use_native):
+    """Each exact row read from the mapped file brings its neighbours' pages in too: a step scoring more than
+    RELEASE_AFTER_ROWS rows exactly hands the head's pages back after it, and its argmax and logits stay exact."""
+    from pqcache.fastpath.lmhead import RELEASE_AFTER_ROWS
+
+    V, D, tied = 8192, 64, 500  # rows 0..499 alike: a flat top that leaves them all candidates
+    g = np.random.default_rng(0)
+    w = (g.standard_normal((V, D)) * 0.01).astype(np.float32)
+    w[:tied] = g.standard_normal(D).astype(np.float32)
+    w[:tied] += np.arange(tied, dtype=np.float32)[:, None] * 1e-7  # row tied - 1 wins, by a hair
+    path = tmp_path / "head.bin"
+    w.tofile(path)
+    weight = torch.from_file(str(path), shared=False, size=V * D, dtype=torch.float32).view(V, D)
+    head = torch.nn.Linear(D, V, bias=False)
+    head.weight = torch.nn.Parameter(weight, requires_grad=False)  # the file's pages, not a copy
+    fast = ExactArgmaxHead(head, use_native=use_native)
+    assert _resident(weight) < 64  # given back as the copies were built
+    hidden = torch.from_numpy(w[0]).view(1, 1, D).clone()
+    with torch.no_grad():
+        exact = head(hidden)  # reads every row
+        assert pages.release(weight) > 0 and _resident(weight) < 64
+        logits = fast(hidden)
+    assert fast.stats["candidates"] > RELEASE_AFTER_ROWS and fast.stats["exact_fallbacks"] == 0
+    assert int(logits.argmax()) == int(exact.argmax())
+    torch.testing.assert_close(logits[0, 0, :tied], exact[0, 0, :tied])  # the candidates: exact logits
+    assert _resident(weight) < 64  # the rows' pages (and their neighbours') left the resident set again

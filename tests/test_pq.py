@@ -49,6 +49,18 @@ def test_ip_metric_codes_maximise_inner_product():
     assert torch.equal(codes[0, 0, 0].long(), (sub @ cents[0, 0, 0].T).argmax(-1))
 
 
+@pytest.mark.parametrize("metric", ["l2", "ip"])
+def test_codes_coded_in_blocks_equal_each_token_coded_alone(monkeypatch, metric):
+    """encode codes a long prefill ENCODE_BLOCK tokens at a time (its memory): the same codes as a decode step gets
+    coding one key, blocks' edges and a short last block included."""
+    monkeypatch.setattr(pq, "ENCODE_BLOCK", 64)
+    keys = torch.randn(2, 2, 200, 16, generator=torch.Generator().manual_seed(3))
+    cents = torch.randn(2, 2, 2, 16, 8, generator=torch.Generator().manual_seed(4))
+    codes = pq.encode(keys, cents, metric)
+    alone = torch.cat([pq.encode(keys[:, :, s : s + 1], cents, metric) for s in range(200)], dim=-1)
+    assert codes.shape == (2, 2, 2, 200) and torch.equal(codes, alone)
+
+
 def test_fewer_points_than_centroids_is_exact():
     keys = torch.randn(1, 1, 10, 16)
     cents, codes = _train(keys, 2, 6)

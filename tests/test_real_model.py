@@ -78,3 +78,28 @@ def test_a_question_in_plain_words_is_answered_and_the_answer_ends(real_model):
             assert answer.ended == "end_of_answer" and len(answer.tokens) < 24, (method, answer.text)
     finally:
         session.close()
+
+
+def test_the_bundled_tokenizer_is_its_auto_class_in_less_memory(real_model, tmp_path):
+    """load_model gives a bundled model (named, or its folder's path as bench e2e's runners pass it) the
+    PreTrainedTokenizerFast its tokenizer.json describes, not GemmaTokenizer's second copy of the vocabulary: the
+    same ids, special tokens and chat template as AutoTokenizer's class; any other folder gets AutoTokenizer's."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    from pqcache.serving.loading import _is_bundled, default_model_dir, smollm2_model_dir
+
+    tok = real_model[1]
+    assert type(tok) is PreTrainedTokenizerFast
+    assert _is_bundled(default_model_dir()) and _is_bundled(smollm2_model_dir())
+    assert _is_bundled(default_model_dir() / ".." / default_model_dir().name) and not _is_bundled(tmp_path)
+    auto = AutoTokenizer.from_pretrained(str(default_model_dir()))
+    assert type(auto) is not PreTrainedTokenizerFast
+    text = "<start_of_turn>user\nWhat is the default bufsize of tarfile.open()? Ünïcödé 🙂\n\n  tabs\t<end_of_turn>"
+    assert tok(text).input_ids == auto(text).input_ids
+    assert tok.decode(tok(text).input_ids) == auto.decode(auto(text).input_ids)
+    assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id) == (
+        auto.bos_token_id,
+        auto.eos_token_id,
+        auto.pad_token_id,
+    )
+    assert tok.chat_template == auto.chat_template  # the base model has none: questions are framed as plain text

@@ -39,8 +39,11 @@ def train_subspace(x: np.ndarray, n_centroids: int, iters: int, metric: str, see
 def train_centroids(keys: torch.Tensor, m: int, n_centroids: int, iters: int, metric: str, seed: int) -> torch.Tensor:
     """keys (n, D) of one (row, KV head) -> centroids (m, C, D/m) float32 on the host."""
     n, D = keys.shape
-    sub = keys.detach().to("cpu", torch.float32).reshape(n, m, D // m).numpy()
-    cents = [train_subspace(np.ascontiguousarray(sub[:, j]), n_centroids, iters, metric, seed + j) for j in range(m)]
+    sub = keys.detach().to("cpu").reshape(n, m, D // m)  # as stored (float16 on a CPU): widened a sub-space at a time
+    cents = [
+        train_subspace(sub[:, j].to(torch.float32).contiguous().numpy(), n_centroids, iters, metric, seed + j)
+        for j in range(m)
+    ]
     return torch.from_numpy(np.stack(cents))
 
 
@@ -60,6 +63,12 @@ def train_rotation(keys: torch.Tensor, m: int, bits: int, iters: int, seed: int)
     return torch.from_numpy(faiss.vector_to_array(opq.A).reshape(D, D).copy())
 
 
+# Tokens coded at a time: a block's inner products (m, block, C) in float32 are 16 MiB for a 256-dim head at 8 bits
+# (m=4, C=256); the whole prefill's at once were 128 MiB at 32K tokens, twice over with the distances, on the
+# background thread while the prefill's last chunk attends (docs/benchmarks.md, where a process's memory goes).
+ENCODE_BLOCK = 4096
+
+
 def encode(
     keys: torch.Tensor, centroids: torch.Tensor, metric: str, half_norm: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -67,13 +76,18 @@ def encode(
     of these centroids, when the caller keeps them (a decode step codes one key)."""
     *lead, S, D = keys.shape
     m, C, d = centroids.shape[-3:]
-    sub = keys.to(centroids.dtype).reshape(*lead, S, m, d).transpose(-2, -3)  # (..., H, m, S, d)
-    ip = sub @ centroids.transpose(-1, -2)  # (..., H, m, S, C)
-    if metric == "ip":
-        return ip.argmax(-1).to(torch.uint8)
-    # argmin ||x - c||^2 = argmax (x.c - |c|^2 / 2)
-    half_norm = centroid_half_norms(centroids) if half_norm is None else half_norm  # (..., H, m, C)
-    return (ip - half_norm.unsqueeze(-2)).argmax(-1).to(torch.uint8)
+    if metric != "ip" and half_norm is None:
+        half_norm = centroid_half_norms(centroids)  # (..., H, m, C)
+    codes = torch.empty((*lead, m, S), dtype=torch.uint8, device=keys.device)
+    for start in range(0, S, ENCODE_BLOCK):
+        block = keys[..., start : start + ENCODE_BLOCK, :]
+        n = block.shape[-2]
+        sub = block.to(centroids.dtype).reshape(*lead, n, m, d).transpose(-2, -3)  # (..., H, m, n, d)
+        ip = sub @ centroids.transpose(-1, -2)  # (..., H, m, n, C)
+        # argmin ||x - c||^2 = argmax (x.c - |c|^2 / 2)
+        scores = ip if metric == "ip" else ip.sub_(half_norm.unsqueeze(-2))
+        codes[..., start : start + n] = scores.argmax(-1)
+    return codes
 
 
 def centroid_half_norms(centroids: torch.Tensor) -> torch.Tensor:

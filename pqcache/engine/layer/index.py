@@ -81,7 +81,9 @@ class PQIndex:
         t0 = time.perf_counter()
         host, cfg = self.host, self.config
         with self._span("host clustering"):
-            keys = host.keys(start, end)  # (B, H, n, D) on the host
+            # (B, H, n, D) on the host as stored: each sub-space is widened alone (train_centroids), each block of
+            # tokens as it is coded (pq.encode), never all of the keys at once
+            keys = host.keys(start, end, dtype=host.dtype)
             m, C, d = cfg.m, self.C, host.D // cfg.m
             cents = torch.empty((host.B, host.H, m, C, d), dtype=torch.float32)
             rotation = torch.empty((host.B, host.H, host.D, host.D)) if cfg.opq else None

@@ -142,6 +142,8 @@ class PQLayer(CacheLayerMixin):
 
     def _store(self, k, v) -> int:
         with self.span("copy to host"):
+            if self.prefill_until > self.S + k.shape[2]:  # a chunked prefill of known length: its room at once
+                self.host.reserve(self.prefill_until)
             start = self.host.append(k, v)
         if self.obs is not None:
             self.obs.moved("to_host", 2 * k.numel() * k.element_size())
