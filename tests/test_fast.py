@@ -12,6 +12,7 @@ from pqcache import PQCache, PQCacheConfig, native
 from pqcache.bench import e2e
 from pqcache.engine.full_attention import full_attention_cache
 from pqcache.fastpath import dtype as fast
+from pqcache.fastpath import lmhead
 from pqcache.fastpath.lmhead import ExactArgmaxHead, install_exact_argmax_head
 from pqcache.fastpath.weights import DecodeLinear, FusedSiblings, install_decode_weights
 from pqcache.serving.generate import decode_n_tokens, make_cache, prefill
@@ -200,6 +201,32 @@ def test_exact_argmax_head_bounds_hold_and_are_tight(dtype):
                 gap = (exact - score[0]).abs()
                 assert bool((gap <= bound[0]).all()), (stage, i)
                 assert float(gap[i]) >= 0.5 * float(bound[0, i]), (stage, i, float(gap[i]), float(bound[0, i]))
+
+
+def test_the_native_one_pass_test_keeps_the_rows_the_torch_test_keeps():
+    """A decode step's scores, bounds and candidate test in one C pass (Int8Product.candidates) against the same
+    test in torch over int8_scores' scores and bounds: the same scores to the bit, the same rows, in order; a cap
+    below their count gives None; a hidden state with a NaN leaves no row."""
+    head, g = _near_tied_head(torch.float32)
+    fast = ExactArgmaxHead(head)
+    with torch.no_grad():
+        for i in range(40):
+            h = torch.randn(1, 64, generator=g) * (0.5 + i / 4)
+            if i % 4 == 0:
+                h = head.weight[None, 0] * 20 + 0.05 * torch.randn(1, 64, generator=g)
+            acts = fast.activations(h)
+            score, bound = fast.int8_scores(acts)
+            rows = ((score + bound) >= (score - bound).amax()).nonzero()[:, 1]
+            coef = torch.cat([acts[1].norm(dim=-1, keepdim=True), acts[2]], 1)
+            y, cand = fast.native.candidates(acts[0], fast.slack, coef, lmhead.OUTPUT_ROUNDING, 4000)
+            assert torch.equal(y, score) and torch.equal(cand, rows), i
+            if len(rows) > 1:
+                capped = fast.native.candidates(acts[0], fast.slack, coef, lmhead.OUTPUT_ROUNDING, len(rows) - 1)
+                assert capped[1] is None
+        nan = torch.full((1, 64), float("nan"))
+        acts = fast.activations(nan)
+        coef = torch.cat([acts[1].norm(dim=-1, keepdim=True), acts[2]], 1)
+        assert len(fast.native.candidates(acts[0], fast.slack, coef, lmhead.OUTPUT_ROUNDING, 10)[1]) == 0
 
 
 def test_exact_argmax_head_falls_back_on_flat_distributions(monkeypatch):

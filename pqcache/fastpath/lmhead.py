@@ -9,7 +9,8 @@ a bound on each approximate score:
 can win when its score plus bound reaches the best score minus its bound.
 
 With pqcache/native (the default where it built): the int8 copy (one scale per row) scores every row with
-int8_rows.c (h rounded to int16), which reads it near the memory's pace; a median of 1 row is left (7 of 262,144
+int8_rows.c (h rounded to int16), which reads it near the memory's pace, and a decode step's bounds and candidate test
+are computed in the same pass (int8_rows_candidates); a median of 1 row is left (7 of 262,144
 at most, on 10 steps of a 32K-token context, ad hoc), and the model's own weights score those exactly.
 With torch's kernels (h rounded to bf16), whose int8 kernel reads at a third of that pace, three stages:
 1. an int4 copy (groups of 32 weights with a bf16 scale and zero each) scores every row (C1: a median of 4,500
@@ -54,6 +55,7 @@ QUANTIZE_ROWS = 16384  # rows quantized at a time when the copies are built (40 
 # file brings its neighbours in too (the kernel maps up to 64 KB around a fault), so a step of 1,433 candidates (a
 # flat distribution, 32K tokens of the bundled model) left 87 MiB resident for the rest of the answer.
 RELEASE_AFTER_ROWS = 64
+ONE_PASS = True  # a decode step's native int8 stage in one C pass (the probes switch it off to compare)
 # GROUP (quantize.py): groups of 64 would save 0.3 ms of the int4 kernel but leave 5x the candidates (25K vs 4.5K)
 
 
@@ -164,6 +166,8 @@ class ExactArgmaxHead(nn.Module):
         x = hidden.reshape(B * T, D)
         acts = self.activations(x)
         self.stats["steps"] += 1
+        if ONE_PASS and self.native is not None and x.shape[0] == 1:  # a decode step: one C pass for the int8 stage
+            return self._one_row(hidden, x, acts)
         floor = torch.full((x.shape[0], 1), -float("inf"))  # lower bounds of each row's winning exact logit
         rows = None  # the vocabulary rows the int8 stage scores (None: all of them)
         if self.int4:
@@ -195,6 +199,22 @@ class ExactArgmaxHead(nn.Module):
         if n_cand > RELEASE_AFTER_ROWS:
             self.pages.release()
         return out.view(B, T, -1)
+
+    def _one_row(self, hidden: torch.Tensor, x: torch.Tensor, acts) -> torch.Tensor:
+        """forward's int8 stage for one row x (1, D) in one native call (Int8Product.candidates: the same scores,
+        bounds and test as int8_scores and forward compute in torch), then the same exact scores."""
+        _, xq, spill = acts
+        coef = torch.cat([xq.norm(dim=-1, keepdim=True), spill], 1)  # (1, 2), as int8_scores
+        out, idx = self.native.candidates(acts[0], self.slack, coef, OUTPUT_ROUNDING, self.max_candidates)
+        if idx is None or len(idx) == 0:  # a flat distribution (or h not finite): the exact head
+            self.stats["exact_fallbacks"] += 1
+            return self.head(hidden)
+        self.stats["candidates"] += len(idx)
+        out = out.to(self.head.weight.dtype)
+        out[0, idx] = (x @ self.head.weight[idx].T).squeeze(0)  # exact, the model's weights
+        if len(idx) > RELEASE_AFTER_ROWS:
+            self.pages.release()
+        return out.view(hidden.shape[0], hidden.shape[1], -1)
 
 
 def install_exact_argmax_head(model) -> ExactArgmaxHead | None:

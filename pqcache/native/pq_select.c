@@ -8,7 +8,8 @@
 
    The combine is the same arithmetic as methods/base.combine_rows ("softmax_sum": a softmax over the candidates per
    query row, summed over the rows; "sum": the raw sum), with its own exp (a polynomial within 1 ulp of the exact value
-   on every 64th float of [-87, 0], which the compiler vectorizes) and sums in a fixed order for every thread count. The
+   on every 64th float of [-87, 0], which the compiler vectorizes where -fno-trapping-math lets it compute both sides of
+   its selects) and sums in a fixed order for every thread count. The
    combined scores therefore differ from torch's in the last bits; equal scores stay equal, so ties are still ties, and
    only two tokens within float rounding of each other could be ordered differently. The top-k is a radix selection of
    the k-th largest score (three passes of a histogram), then one pass that takes every score above it and the earliest

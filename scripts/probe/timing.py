@@ -81,10 +81,12 @@ def ops(args):
 def parts(args):
     """Wall-clock time (no profiler) of the PQ layers' attention and its parts, summed over the 3 layers, per step."""
     import pqcache.engine.layer.blockcache as blockcache
+    import pqcache.engine.layer.index as index
     import pqcache.engine.layer.layer as layer
     import pqcache.engine.layer.onerow as onerow
     import pqcache.engine.layer.window as window
     import pqcache.engine.methods.pqcache as method
+    import pqcache.native.select as native_select
 
     total, calls = collections.Counter(), collections.Counter()
 
@@ -108,11 +110,15 @@ def parts(args):
         (method, "rerank_exact"),
         (window.DeviceWindow, "fetch"),
         (blockcache.BlockCache, "admit"),
-        (layer, "masked_attention"),
-        (layer.PQLayer, "_append"),
-        (onerow, "search"),  # the one-row step's calls of the same functions (layer/onerow.py)
+        (onerow, "attend"),  # the one-row step (layer/onerow.py) and its parts
+        (onerow, "search"),
         (onerow, "rerank_exact"),
         (onerow, "masked_attention"),
+        (onerow, "_append"),
+        (window.DeviceWindow, "look_up"),
+        (window.DeviceWindow, "admit"),
+        (native_select, "attend_picks"),
+        (index.PQIndex, "append"),
     ]:
         timed(owner, name)
     model, _, cache, token = prefilled(args.seq_len, "pqcache")
