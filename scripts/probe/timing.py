@@ -79,19 +79,25 @@ def ops(args):
 
 
 def parts(args):
-    """Wall-clock time (no profiler) of the PQ layers' attention and its parts, summed over the 3 layers, per step."""
+    """Wall-clock time (no profiler) of the PQ layers' attention and its parts, summed over the 3 layers, per step; the
+    decoder layers' steps and their C calls; the LM head."""
     import pqcache.engine.layer.blockcache as blockcache
     import pqcache.engine.layer.index as index
     import pqcache.engine.layer.layer as layer
     import pqcache.engine.layer.onerow as onerow
+    import pqcache.engine.layer.sliding as sliding
     import pqcache.engine.layer.window as window
     import pqcache.engine.methods.pqcache as method
     import pqcache.native.select as native_select
+    from pqcache import native
+    from pqcache.fastpath.layer import FastDecodeLayer
+    from pqcache.fastpath.lmhead import ExactArgmaxHead
 
     total, calls = collections.Counter(), collections.Counter()
 
     def timed(owner, name):
         f = getattr(owner, name)
+        label = f"{owner.__name__.rsplit('.', 1)[-1]}.{name}"  # a class's or a module's name: PQLayer.attend
 
         @functools.wraps(f)
         def call(*a, **k):
@@ -99,8 +105,8 @@ def parts(args):
             try:
                 return f(*a, **k)
             finally:
-                total[name] += time.perf_counter() - t0
-                calls[name] += 1
+                total[label] += time.perf_counter() - t0
+                calls[label] += 1
 
         setattr(owner, name, call)
 
@@ -119,6 +125,12 @@ def parts(args):
         (window.DeviceWindow, "admit"),
         (native_select, "attend_picks"),
         (index.PQIndex, "append"),
+        (FastDecodeLayer, "step"),  # every decoder layer's step, and its C calls (fastpath/layer.py)
+        (native.LayerStep, "qkv"),
+        (native.LayerStep, "attend"),  # the sliding layers' attention
+        (native.LayerStep, "out"),
+        (sliding.AppendSlidingWindowLayer, "update_stored"),
+        (ExactArgmaxHead, "forward"),  # the LM head
     ]:
         timed(owner, name)
     model, _, cache, token = prefilled(args.seq_len, "pqcache")
@@ -129,7 +141,7 @@ def parts(args):
     steps(model, cache, token, args.steps)
     print(f"whole step {(time.perf_counter() - t0) / args.steps * 1e3:7.2f} ms")
     for name, s in total.most_common():
-        print(f"{name:18s} {s / args.steps * 1e3:7.2f} ms/step ({calls[name] // args.steps} calls a step)")
+        print(f"{name:36s} {s / args.steps * 1e3:7.2f} ms/step ({calls[name] // args.steps} calls a step)")
 
 
 def omp(args):
