@@ -217,7 +217,7 @@ def test_the_native_one_pass_test_keeps_the_rows_the_torch_test_keeps():
             acts = fast.activations(h)
             score, bound = fast.int8_scores(acts)
             rows = ((score + bound) >= (score - bound).amax()).nonzero()[:, 1]
-            coef = torch.cat([acts[1].norm(dim=-1, keepdim=True), acts[2]], 1)
+            coef = fast.int8_coef(acts)
             y, cand = fast.native.candidates(acts[0], fast.slack, coef, lmhead.OUTPUT_ROUNDING, 4000)
             assert torch.equal(y, score) and torch.equal(cand, rows), i
             if len(rows) > 1:
@@ -225,7 +225,7 @@ def test_the_native_one_pass_test_keeps_the_rows_the_torch_test_keeps():
                 assert capped[1] is None
         nan = torch.full((1, 64), float("nan"))
         acts = fast.activations(nan)
-        coef = torch.cat([acts[1].norm(dim=-1, keepdim=True), acts[2]], 1)
+        coef = fast.int8_coef(acts)
         assert len(fast.native.candidates(acts[0], fast.slack, coef, lmhead.OUTPUT_ROUNDING, 10)[1]) == 0
 
 

@@ -55,7 +55,6 @@ QUANTIZE_ROWS = 16384  # rows quantized at a time when the copies are built (40 
 # file brings its neighbours in too (the kernel maps up to 64 KB around a fault), so a step of 1,433 candidates (a
 # flat distribution, 32K tokens of the bundled model) left 87 MiB resident for the rest of the answer.
 RELEASE_AFTER_ROWS = 64
-ONE_PASS = True  # a decode step's native int8 stage in one C pass (the probes switch it off to compare)
 # GROUP (quantize.py): groups of 64 would save 0.3 ms of the int4 kernel but leave 5x the candidates (25K vs 4.5K)
 
 
@@ -146,7 +145,7 @@ class ExactArgmaxHead(nn.Module):
 
     def int8_scores(self, acts, rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> int8 scores (N, k) of the vocabulary rows `rows` (k,) (None: all, k = V) and their bounds (N, k)."""
-        xk, xq, spill = acts
+        xk = acts[0]
         q, scale, slack = self.q, self.scale, self.slack
         if self.native is not None:  # every row (rows is None: there is no int4 stage)
             score = self.native(xk)
@@ -155,8 +154,12 @@ class ExactArgmaxHead(nn.Module):
                 # embedding's row gather: 0.36 against 0.48 ms for index_select on 4,000 cold int8 rows (ad hoc)
                 q, scale, slack = F.embedding(rows, q), scale.index_select(0, rows), slack.index_select(1, rows)
             score = torch.ops.aten._weight_int8pack_mm(xk, q, scale).float()
-        coef = torch.cat([xq.norm(dim=-1, keepdim=True), spill], 1)  # (N, 2)
-        return score, (coef @ slack).add_(score.abs(), alpha=OUTPUT_ROUNDING)
+        return score, (self.int8_coef(acts) @ slack).add_(score.abs(), alpha=OUTPUT_ROUNDING)
+
+    def int8_coef(self, acts) -> torch.Tensor:
+        """-> (N, 2): what the int8 stage's slack (2, V) is multiplied by in a bound, ||h~||_2 and the spill."""
+        _, xq, spill = acts
+        return torch.cat([xq.norm(dim=-1, keepdim=True), spill], 1)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (B, T, D) -> logits (B, T, V)."""
@@ -166,7 +169,7 @@ class ExactArgmaxHead(nn.Module):
         x = hidden.reshape(B * T, D)
         acts = self.activations(x)
         self.stats["steps"] += 1
-        if ONE_PASS and self.native is not None and x.shape[0] == 1:  # a decode step: one C pass for the int8 stage
+        if self.native is not None and x.shape[0] == 1:  # a decode step: one C pass for the int8 stage
             return self._one_row(hidden, x, acts)
         floor = torch.full((x.shape[0], 1), -float("inf"))  # lower bounds of each row's winning exact logit
         rows = None  # the vocabulary rows the int8 stage scores (None: all of them)
@@ -191,30 +194,29 @@ class ExactArgmaxHead(nn.Module):
             return self.head(hidden)
         # every int8 score written here is below its row's floor or replaced by the exact logit just after
         out = approx if rows is None else out.index_copy_(1, rows, approx)
+        winners = [maybe[r].nonzero().squeeze(1) for r in range(x.shape[0])]  # (c,) the tokens that can win row r
+        return self._exact(out, x, winners if rows is None else [rows[idx] for idx in winners]).view(B, T, -1)
+
+    def _exact(self, out: torch.Tensor, x: torch.Tensor, winners: list[torch.Tensor]) -> torch.Tensor:
+        """out (N, V) approximate logits -> out in the head's dtype, with row r's candidates winners[r] scored by the
+        model's weights; the head's file pages given back after a step of many exact rows."""
         out = out.to(self.head.weight.dtype)
-        for r in range(x.shape[0]):
-            idx = maybe[r].nonzero().squeeze(1)  # (c,) the tokens that can win row r
-            idx = idx if rows is None else rows[idx]
+        for r, idx in enumerate(winners):
             out[r, idx] = (x[r : r + 1] @ self.head.weight[idx].T).squeeze(0)  # exact, the model's weights
-        if n_cand > RELEASE_AFTER_ROWS:
+        if sum(len(idx) for idx in winners) > RELEASE_AFTER_ROWS:
             self.pages.release()
-        return out.view(B, T, -1)
+        return out
 
     def _one_row(self, hidden: torch.Tensor, x: torch.Tensor, acts) -> torch.Tensor:
         """forward's int8 stage for one row x (1, D) in one native call (Int8Product.candidates: the same scores,
         bounds and test as int8_scores and forward compute in torch), then the same exact scores."""
-        _, xq, spill = acts
-        coef = torch.cat([xq.norm(dim=-1, keepdim=True), spill], 1)  # (1, 2), as int8_scores
+        coef = self.int8_coef(acts)  # (1, 2)
         out, idx = self.native.candidates(acts[0], self.slack, coef, OUTPUT_ROUNDING, self.max_candidates)
         if idx is None or len(idx) == 0:  # a flat distribution (or h not finite): the exact head
             self.stats["exact_fallbacks"] += 1
             return self.head(hidden)
         self.stats["candidates"] += len(idx)
-        out = out.to(self.head.weight.dtype)
-        out[0, idx] = (x @ self.head.weight[idx].T).squeeze(0)  # exact, the model's weights
-        if len(idx) > RELEASE_AFTER_ROWS:
-            self.pages.release()
-        return out.view(hidden.shape[0], hidden.shape[1], -1)
+        return self._exact(out, x, [idx]).view(hidden.shape[0], hidden.shape[1], -1)
 
 
 def install_exact_argmax_head(model) -> ExactArgmaxHead | None:

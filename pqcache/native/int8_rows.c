@@ -99,6 +99,17 @@ static void round_rows(const float *x, int64_t R, int64_t K, int16_t *xq, float 
   }
 }
 
+/* The calling thread's share of N weight rows, n0..n1, read as two runs of `half` rows, a row of each in turn: two
+   streams in flight per core, which the prefetchers follow (one stream a core left Zen 3's decoder linears at 0.55 of
+   the memory's rate; two: 0.6 ms less a step over the 72 matrices, 1 ms less on the LM head, an A/B of compiled
+   variants, ad hoc). Called inside a parallel region. */
+static void share(int64_t N, int64_t *n0, int64_t *n1, int64_t *half) {
+  int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+  *n0 = N * t / T;
+  *n1 = N * (t + 1) / T;
+  *half = (*n1 - *n0 + 1) / 2;
+}
+
 /* Returns 0, or -1 when the scratch row could not be allocated (y untouched). */
 int int8_rows_mm(const float *x, const int8_t *q, const float *scale, float *y, int64_t R, int64_t N, int64_t K) {
   int16_t *xq = malloc(sizeof(int16_t) * R * K);
@@ -109,14 +120,10 @@ int int8_rows_mm(const float *x, const int8_t *q, const float *scale, float *y, 
     return -1;
   }
   round_rows(x, R, K, xq, xs);
-  /* each thread reads one contiguous share of the weight rows as two runs, a row of each in turn: two streams in
-     flight per core, which the prefetchers follow (one stream a core left Zen 3's decoder linears at 0.55 of the
-     memory's rate; two: 0.6 ms less a step over the 72 matrices, 1 ms less on the LM head, an A/B of compiled
-     variants, ad hoc) */
 #pragma omp parallel
   {
-    int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-    int64_t n0 = N * t / T, n1 = N * (t + 1) / T, half = (n1 - n0 + 1) / 2;
+    int64_t n0, n1, half;
+    share(N, &n0, &n1, &half);
     for (int64_t i = 0; i < half; i++)
       for (int64_t n = n0 + i; n < n1; n += half)
         for (int64_t r = 0; r < R; r++) y[r * N + n] = (float)dot_row(q + n * K, xq + r * K, K) * xs[r] * scale[n];
@@ -124,6 +131,12 @@ int int8_rows_mm(const float *x, const int8_t *q, const float *scale, float *y, 
   free(xq);
   free(xs);
   return 0;
+}
+
+/* score v of row n's bound: coef[0] * slack[n] + coef[1] * slack[N + n] + |v| * rounding (one function, so that
+   both passes below compute it by the same operations) */
+static inline float bound(float v, const float *coef, const float *slack, float rounding, int64_t n, int64_t N) {
+  return coef[0] * slack[n] + coef[1] * slack[N + n] + fabsf(v) * rounding;
 }
 
 /* The exact-argmax LM head's first test in one pass over the weights (fastpath/lmhead.py), for one row x (K,): y (N,)
@@ -142,20 +155,20 @@ int64_t int8_rows_candidates(const float *x, const int8_t *q, const float *scale
   round_rows(x, 1, K, xq, &xs);
 #pragma omp parallel reduction(max : floor)
   {
-    int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-    int64_t n0 = N * t / T, n1 = N * (t + 1) / T, half = (n1 - n0 + 1) / 2;
+    int64_t n0, n1, half;
+    share(N, &n0, &n1, &half);
     for (int64_t i = 0; i < half; i++)
       for (int64_t n = n0 + i; n < n1; n += half) {
         float v = (float)dot_row(q + n * K, xq, K) * xs * scale[n];
-        float lower = v - (coef[0] * slack[n] + coef[1] * slack[N + n] + fabsf(v) * rounding);
+        float lower = v - bound(v, coef, slack, rounding, n, N);
         y[n] = v;
         floor = lower > floor ? lower : floor;
       }
   }
   free(xq);
   int64_t count = 0;
-  for (int64_t n = 0; n < N; n++) /* the same bound, computed by the same operations */
-    if (y[n] + (coef[0] * slack[n] + coef[1] * slack[N + n] + fabsf(y[n]) * rounding) >= floor) {
+  for (int64_t n = 0; n < N; n++)
+    if (y[n] + bound(y[n], coef, slack, rounding, n, N) >= floor) {
       if (count < max_cand) cand[count] = n;
       count++;
     }
