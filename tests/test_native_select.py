@@ -51,6 +51,40 @@ def test_pq_search_picks_what_torchs_operators_pick(mode, C, R, m):
         assert bool((top[b, :, 1:k] > top[b, :, : k - 1]).all())
 
 
+@pytest.mark.parametrize("B, H, m, C, d, R", [(1, 1, 4, 256, 64, 4), (2, 3, 2, 16, 32, 3), (1, 2, 3, 8, 5, 1)])
+def test_a_steps_lookup_tables_and_key_codes_are_torchs(B, H, m, C, d, R):
+    """pq_codes.c: a decode step's lookup tables (the bundled model's 4 sub-spaces of 64, and sizes off the vector
+    path) within float32 rounding of pq.lookup_tables, and a new key's codes pq.encode's, both metrics."""
+    g = torch.Generator().manual_seed(C + d)
+    cents, q = torch.randn(B, H, m, C, d, generator=g), torch.randn(B, H, R, m * d, generator=g)
+    torch.testing.assert_close(select.tables(q, cents), pq.lookup_tables(q, cents), rtol=1e-5, atol=1e-5)
+    half_norm = pq.centroid_half_norms(cents)
+    for metric in ("l2", "ip"):
+        keys = torch.randn(B, H, 50, m * d, generator=g)
+        want = pq.encode(keys, cents, metric, half_norm)  # (B, H, m, 50)
+        got = torch.full_like(want, 255)
+        for s in range(50):
+            select.encode_one(keys[:, :, s : s + 1], cents, None if metric == "ip" else half_norm, got[..., s])
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("mode", ["softmax_sum", "sum"])
+@pytest.mark.parametrize("C", [2, 256])
+def test_a_long_context_split_between_threads_picks_what_torch_picks(mode, C):
+    """20,000 tokens: the combine and the top-k's first pass split between the threads, the later passes over the
+    chosen bucket's keys, the picks taken 8 keys at a time; 2 centroids of 2 sub-spaces make 4 scores for all the
+    tokens, so thousands tie at the k-th, several in the block of 8 where the ties wanted run out."""
+    g = torch.Generator().manual_seed(C)
+    S, m, d, R = 20000, 2, 8, 4
+    centroids, q = torch.randn(1, 1, m, C, d, generator=g), torch.randn(1, 1, R, m * d, generator=g)
+    codes = torch.randint(0, C, (1, 1, m, S), generator=g, dtype=torch.uint8)
+    cand = torch.rand(1, S, generator=g) > 0.1
+    tables = pq.lookup_tables(q, centroids)
+    for k in (1, 3001, 7777, 9000, 12345):
+        want = select_top(pq.approx_scores(tables, codes), cand, [k], k, mode)
+        assert _picked(*select.pq_top(tables, codes, cand, [k], k, mode)) == _picked(*want)
+
+
 def test_ties_go_to_the_earliest_positions():
     """Every token with the same code: the k picked are the first k candidates."""
     tables = torch.randn(1, 1, 2, 4, 4)

@@ -17,6 +17,8 @@ memory's speed on the table.
                    layer/onerow.py).
     pq_select.c    PQCache's selection (methods/pqcache.py): the PQ scores, the GQA combine and the top-k in one
                    call instead of about 140 torch operators a layer (wrapped in native/select.py).
+    pq_codes.c     a decode step's PQ lookup tables and the new key's codes, instead of a batched matmul and
+                   the reshapes around it (native/select.py).
 
 `python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
 together once per machine with the system's C compiler (`cc`, or $CC; 0.6 s here) into $PQCACHE_KERNEL_DIR
@@ -41,9 +43,14 @@ from pathlib import Path
 
 import torch
 
-SOURCES = [Path(__file__).with_name(name) for name in ("int8_rows.c", "gather_dot.c", "layer_step.c", "pq_select.c")]
+from pqcache.native.signatures import declare
+
+SOURCES = [
+    Path(__file__).with_name(name)
+    for name in ("int8_rows.c", "gather_dot.c", "layer_step.c", "pq_select.c", "pq_codes.c")
+]
 HEADERS = [
-    Path(__file__).with_name(name) for name in ("lanes16.h", "half_rows.h")
+    Path(__file__).with_name(name) for name in ("lanes16.h", "half_rows.h", "exp_poly.h")
 ]  # included by the sources: part of the build's name too
 # -fno-trapping-math: the compiler may compute both sides of a float select (pq_select.c's exponentials, masked);
 # without it that loop stayed scalar (0.69 against 0.44 ms a PQ search at 32K tokens, Zen 3). It changes no value:
@@ -111,24 +118,7 @@ def library() -> ctypes.CDLL | None:
     except (RuntimeError, OSError) as error:
         _why_not.append(str(error))
         return None
-    pointer, size = ctypes.c_void_p, ctypes.c_int64
-    lib.int8_rows_mm.restype = ctypes.c_int
-    lib.int8_rows_mm.argtypes = [pointer] * 4 + [size] * 3
-    lib.int8_rows_candidates.restype = size
-    lib.int8_rows_candidates.argtypes = [pointer] * 5 + [ctypes.c_float, pointer, pointer] + [size] * 3
-    lib.gather_dot.restype = None
-    lib.gather_dot.argtypes = [pointer, ctypes.c_int, size, pointer, size, pointer, size, size, pointer]
-    lib.gather_weighted_sum.restype = ctypes.c_int
-    lib.gather_weighted_sum.argtypes = [pointer, ctypes.c_int, size, pointer, size, pointer, size, size, pointer]
-    lib.layer_qkv.restype = lib.layer_out.restype = lib.attend_row.restype = ctypes.c_int
-    lib.layer_qkv.argtypes = [pointer] * 5
-    lib.layer_out.argtypes = [pointer] * 4
-    lib.attend_row.argtypes = [pointer, size, pointer, pointer, size, size, size, size, size, ctypes.c_float, pointer]
-    lib.attend_picks.restype = lib.pq_search.restype = lib.combine_top.restype = ctypes.c_int
-    lib.attend_picks.argtypes = [pointer, size, pointer, pointer, size, size, size, size, size, ctypes.c_float, size]
-    lib.attend_picks.argtypes += [pointer] * 4 + [size] * 2 + [pointer, size, size, pointer, pointer]
-    lib.pq_search.argtypes = [pointer, size, size, size, pointer, size, size, pointer, ctypes.c_int, size, pointer]
-    lib.combine_top.argtypes = [pointer, size, size, pointer, ctypes.c_int, size, pointer]
+    declare(lib)
     return lib
 
 

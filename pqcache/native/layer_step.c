@@ -23,6 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "exp_poly.h"  /* exp_nonpositive, sigmoid */
 #include "half_rows.h" /* the host tier's rows in float32, float16 or bfloat16 */
 #include "lanes16.h"   /* 16 float lanes: AVX-512, or AVX2 in two halves */
 
@@ -65,12 +66,14 @@ static void rms_norm(const float *x, const float *w, float *y, int64_t n, double
   for (int64_t i = 0; i < n; i++) y[i] = x[i] * r * w[i];
 }
 
-static float gelu_tanh(float x) { /* torch's gelu(approximate="tanh") */
+/* torch's gelu(approximate="tanh"), 0.5 x (1 + tanh(u)), as x sigmoid(2 u): the same function, with exp_poly.h's
+   exponential, which vectorizes (libm's tanhf does not); a few units in the last place from torch's values */
+static inline float gelu_tanh(float x) {
   const float beta = 0.7978845608028654f, kappa = 0.044715f; /* sqrt(2 / pi) */
-  return 0.5f * x * (1.0f + tanhf(beta * (x + kappa * x * x * x)));
+  return x * sigmoid(2.0f * beta * (x + kappa * x * x * x));
 }
 
-static float silu(float x) { return x / (1.0f + expf(-x)); } /* torch's silu */
+static inline float silu(float x) { return x * sigmoid(x); } /* torch's silu, x / (1 + exp(-x)) */
 
 /* x (E,) -> qkv (Hq + 2 Hk, D): the normed, rotated q and k heads, then the v heads. cos, sin_signed (D,): the
    step's rotary embedding, sin's first half negated (x * cos + roll(x, D / 2) * sin_signed is rotate_half's form).
@@ -298,8 +301,9 @@ static int attend(const float *q, int64_t Hq, const void *k, const void *v, int 
     for (int64_t h = 0; h < Hq; h++) {
       float top = -INFINITY, *row = s + h * n;
       for (int64_t j = 0; j < n; j++) top = row[j] > top ? row[j] : top;
+      for (int64_t j = 0; j < n; j++) row[j] = exp_nonpositive(row[j] - top); /* vectorized, then summed in order */
       double sum = 0.0;
-      for (int64_t j = 0; j < n; j++) sum += row[j] = expf(row[j] - top);
+      for (int64_t j = 0; j < n; j++) sum += row[j];
       total[h] = sum;
     }
     for (int64_t c = 0; c < Hk; c++) {

@@ -46,6 +46,35 @@ def pq_top(tables: torch.Tensor, codes: torch.Tensor, cand: torch.Tensor, ks: li
     return top, in_rank & torch.gather(cand[:, None, :].expand(B, H, n), 2, top)
 
 
+def tables(q: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """q (B, H, R, D) float32, centroids (B, H, m, C, d) float32 (m d = D) -> lookup tables (B, H, m, C, R), as
+    pq.lookup_tables computes them, within float32 rounding (pq_codes.c)."""
+    B, H, R, D = q.shape
+    m, C, d = centroids.shape[-3:]
+    q, centroids, lib = q.contiguous(), centroids.contiguous(), native.library()
+    out = torch.empty((B, H, m, C, R))
+    for b in range(B):
+        for h in range(H):
+            lib.pq_tables(q[b, h].data_ptr(), R, centroids[b, h].data_ptr(), m, C, d, out[b, h].data_ptr())
+    return out
+
+
+def encode_one(key: torch.Tensor, centroids: torch.Tensor, half_norm: torch.Tensor | None, codes: torch.Tensor):
+    """key (B, H, 1, D) float32, centroids (B, H, m, C, d) float32, half_norm (B, H, m, C) float32 (None: the
+    inner-product metric) -> codes[b, h, :] (the (B, H, m) view given, uint8) = the key's nearest centroids, as
+    pq.encode picks them, within float32 rounding (pq_codes.c)."""
+    B, H, _, D = key.shape
+    m, C, d = centroids.shape[-3:]
+    key, centroids, lib = key.contiguous(), centroids.contiguous(), native.library()
+    half_norm = None if half_norm is None else half_norm.contiguous()
+    for b in range(B):
+        for h in range(H):
+            norms = 0 if half_norm is None else half_norm[b, h].data_ptr()
+            args = (key[b, h].data_ptr(), centroids[b, h].data_ptr(), norms, m, C, d)
+            lib.pq_encode(*args, codes[b, h].data_ptr(), codes.stride(2))
+    return codes
+
+
 def combined_top(scores: torch.Tensor, valid: torch.Tensor, ks: list[int], k_max: int, mode: str):
     """scores (B, H, n, R) float32, valid (B, H, n) bool -> indices along n (B, H, k_max) and whether each is in
     its row's k (topk_positions of combine_rows(scores, valid, mode)); the caller checks what they point at."""

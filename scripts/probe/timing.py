@@ -82,6 +82,7 @@ def parts(args):
     """Wall-clock time (no profiler) of the PQ layers' attention and its parts, summed over the 3 layers, per step; the
     decoder layers' steps and their C calls; the LM head."""
     import pqcache.engine.layer.blockcache as blockcache
+    import pqcache.engine.layer.host as host
     import pqcache.engine.layer.index as index
     import pqcache.engine.layer.layer as layer
     import pqcache.engine.layer.onerow as onerow
@@ -125,6 +126,15 @@ def parts(args):
         (window.DeviceWindow, "admit"),
         (native_select, "attend_picks"),
         (index.PQIndex, "append"),
+        (index.PQIndex, "encode"),  # ... the new key's codes
+        (native_select, "pq_top"),  # the first stage's C call
+        (method.pq, "lookup_tables"),  # ... and its tables
+        (host.HostTier, "key_scores"),  # the re-rank's exact scores (gather_dot.c)
+        (native_select, "combined_top"),  # ... their combine and top-k
+        (host.HostTier, "append"),  # the new token stored
+        (window.DeviceWindow, "ring_write"),
+        (window.DeviceWindow, "candidates"),
+        (layer.PQLayer, "topk_counts"),
         (FastDecodeLayer, "step"),  # every decoder layer's step, and its C calls (fastpath/layer.py)
         (native.LayerStep, "qkv"),
         (native.LayerStep, "attend"),  # the sliding layers' attention

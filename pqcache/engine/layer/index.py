@@ -25,6 +25,7 @@ from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled
 from pqcache.engine.layer.builds import Builds
 from pqcache.engine.layer.host import HostTier
+from pqcache.native import select as native_select
 
 
 class PQIndex:
@@ -189,7 +190,13 @@ class PQIndex:
         start, cents = self.segments[-1]
         if self._half_norms[0] is not cents:  # kept per codebook: a decode step codes one key against all of them
             self._half_norms = (cents, pq.centroid_half_norms(cents))
-        return pq.encode(self.rotate(keys, start), cents, self.config.metric, self._half_norms[1])
+        keys, norms = self.rotate(keys, start), self._half_norms[1]
+        if keys.shape[2] == 1 and native_select.usable(cents, 1):  # a decode step's key: pq_codes.c (0.17 ms less)
+            codes = torch.empty(keys.shape[:2] + cents.shape[2:3] + (1,), dtype=torch.uint8, device=keys.device)
+            ip = self.config.metric == "ip"
+            native_select.encode_one(keys.float(), cents, None if ip else norms, codes[..., 0])
+            return codes
+        return pq.encode(keys, cents, self.config.metric, norms)
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Keys or queries (B, H, n, D) in the coordinates of the segment starting at `start`: R x with

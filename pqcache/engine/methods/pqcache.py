@@ -103,7 +103,9 @@ def search(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], m
     if by_tuples and not (in_c and index.codes.shape[2] == 1):
         return select_by_tuples(index, q, cand, ks, k_max, mode)
     if in_c:
-        tables = pq.lookup_tables(index.rotate(q, 0), index.segments[0][1])  # (B, H, m, C, R)
+        q, cents = index.rotate(q, 0), index.segments[0][1]
+        # (B, H, m, C, R); pq_codes.c's where q is float32 too (a step's few rows: 0.10 ms a layer less, Zen 3)
+        tables = native_select.tables(q, cents) if q.dtype == torch.float32 else pq.lookup_tables(q, cents)
         return native_select.pq_top(tables, index.codes, cand, ks, k_max, mode)
     return select_top(approx_scores(index, q), cand, ks, k_max, mode)
 
