@@ -4,6 +4,8 @@ and the other runners and lengths still run and print."""
 import sys
 import textwrap
 
+import pytest
+
 from pqcache.bench import e2e
 
 # A stand-in for pqcache.bench.e2e_runner: llama.cpp segfaults as the AMX build did, pqcache exits with an error,
@@ -21,19 +23,32 @@ FAKE_RUNNER = textwrap.dedent(
         print("RuntimeError: out of memory", file=sys.stderr)
         sys.exit(3)
     n = len(spec["ids"])
-    print(json.dumps({"prefill_tok_s": 100.0 + n, "decode_ms": 20.0, "peak_rss_bytes": 2**28, "tokens": [1, 2, 3]}))
+    row = {"prefill_tok_s": 100.0 + n, "decode_ms": 20.0, "peak_rss_bytes": 2**28, "tokens": [1, 2, 3]}
+    if "--turns" in sys.argv:  # e2e_runner.serve's protocol: ready, each turn's times, the row at "finish"
+        print(json.dumps({"ready": True, "prefill_tok_s": 100.0 + n}), flush=True)
+        for line in sys.stdin:
+            if line.startswith("finish"):
+                break
+            print(json.dumps({"times": [20.0] * int(line.split()[1])}), flush=True)
+    print(json.dumps(row), flush=True)
     """
 )
 
 
-def test_a_crashing_runner_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("turns", [True, False], ids=["in turns", "alone"])
+def test_a_crashing_runner_is_reported_and_the_others_still_run(tmp_path, monkeypatch, capsys, turns):
+    """In turns (every runner's process alive, decoding in alternation) and alone (one after the other)."""
     runner = tmp_path / "fake_runner.py"
     runner.write_text(FAKE_RUNNER)
     monkeypatch.setattr(e2e, "RUNNER_COMMAND", (sys.executable, str(runner)))
     monkeypatch.setattr(e2e, "llama_cpp_installed", lambda: True)
     messages = []
     rows = e2e.bench_e2e(
-        seq_lens=[64, 128], decode_tokens=3, gguf=str(tmp_path / "model.gguf"), progress=messages.append
+        seq_lens=[64, 128],
+        decode_tokens=20,  # three turns of up to 8 steps
+        gguf=str(tmp_path / "model.gguf"),
+        turns=turns,
+        progress=messages.append,
     )
 
     assert [(r["seq_len"], r["runner"]) for r in rows] == [(s, r) for s in (64, 128) for r in e2e.RUNNERS]

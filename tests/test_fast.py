@@ -436,16 +436,22 @@ def test_e2e_bench_without_llama_cpp(tiny_model_dir, monkeypatch, capsys):
 
 
 def test_e2e_bench_cli_runs_each_runner_in_its_own_process(tiny_model_dir):
+    """Each runner's process prefills, then they decode in turns (e2e_runner.serve): every row whole, and the
+    greedy tokens the same as full attention's, as when a run decodes alone."""
     out = subprocess.run(
         [sys.executable, "-m", "pqcache", "bench", "e2e", "--model", str(tiny_model_dir), "--seq-lens", "50"]
-        + ["--decode-tokens", "3", "--runners", "llama.cpp,full", "--dtype", "float32", "--json"],
+        + ["--decode-tokens", "3", "--runners", "llama.cpp,full,pqcache", "--dtype", "float32", "--json"],
         capture_output=True,
         text=True,
         check=True,
     )
     rows = json.loads(out.stdout)["rows"]
-    _well_formed(rows, [50], ["llama.cpp", "full"])  # llama.cpp: not installed, or no GGUF for this model
+    _well_formed(rows, [50], ["llama.cpp", "full", "pqcache"])  # llama.cpp: not installed, or no GGUF for it
     assert rows[1]["settings"].startswith("float32, int8 decode weights")
+    alone = e2e.bench_e2e(
+        model=str(tiny_model_dir), seq_lens=[50], runners=("full",), dtype="float32", decode_tokens=3, turns=False
+    )
+    assert rows[1]["tokens"] == rows[2]["tokens"] == alone[0]["tokens"]
 
 
 def test_bench_kernels_rows():

@@ -11,7 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -19,6 +18,7 @@ import tempfile
 from pathlib import Path
 
 from pqcache import native
+from pqcache.bench.e2e_turns import failure, run_in_turns
 from pqcache.fastpath.dtype import available_cpus, dtype_name, resolve_dtype
 from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
 from pqcache.serving.loading import DEFAULT_NAMES, SMOLLM2_NAMES
@@ -41,7 +41,6 @@ def prompt_ids(tokenizer, n: int) -> list[int]:
 
 # the runner's process: `python -m pqcache.bench.e2e_runner SPEC.json` (the tests put a runner that crashes here)
 RUNNER_COMMAND = (sys.executable, "-m", "pqcache.bench.e2e_runner")
-FAILURE_LINES = 6  # the last lines a failed runner printed, kept in its row
 
 
 def run_in_process(spec: dict) -> dict:
@@ -66,23 +65,6 @@ def run_in_process(spec: dict) -> dict:
     return {"error": failure(proc.returncode, proc.stdout, proc.stderr)}
 
 
-def failure(returncode: int, stdout: str, stderr: str) -> str:
-    """How a runner's process ended, and the last lines it printed: "killed by SIGSEGV (signal 11); last output:
-    ..." (a negative returncode is the signal that ended it)."""
-    if returncode < 0:
-        try:
-            name = signal.Signals(-returncode).name
-        except ValueError:
-            name = "a signal"
-        how = f"killed by {name} (signal {-returncode})"
-    elif returncode > 0:
-        how = f"exited with code {returncode}"
-    else:
-        how = "exited without printing its row"
-    lines = [line for line in (stderr + "\n" + stdout).splitlines() if line.strip()][-FAILURE_LINES:]
-    return how + ("; last output: " + " | ".join(lines) if lines else "; it printed nothing")
-
-
 def run_inline(spec: dict) -> dict:
     """One runner in this process (tests: no fresh interpreter; its peak memory is the whole process's)."""
     from pqcache.bench.e2e_runner import run_spec
@@ -104,11 +86,13 @@ def bench_e2e(
     chunk_tokens: int | None = None,
     gguf: str | None = None,
     isolate: bool = True,
+    turns: bool = True,
     progress=None,
 ) -> list[dict]:
     """Rows {seq_len, runner, prefill_tok_s, decode_ms, peak_rss_bytes, ...} per length and runner (the
     median over `repeats` turns), with the ratios against llama.cpp at the same length when it ran:
-    prefill_vs_llama (tokens/s: higher is better) and decode_vs_llama (ms/token: lower is better)."""
+    prefill_vs_llama (tokens/s: higher is better) and decode_vs_llama (ms/token: lower is better). turns: the
+    runners' processes decode in alternation (e2e_turns.py); False: each runs alone, one after the other."""
     from transformers import AutoTokenizer
 
     from pqcache.serving.generate import PREFILL_CHUNK_TOKENS
@@ -146,15 +130,20 @@ def bench_e2e(
         results: dict[str, list[dict]] = {r: [] for r in runners}
         for turn in range(repeats):
             order = runners[turn % len(runners) :] + runners[: turn % len(runners)]  # who goes first rotates
+            order = [r for r in order if not (r == "llama.cpp" and llama_note)]
+            if isolate and turns:  # every runner's process alive, their decode steps in alternation
+                specs = {runner: {**common, "runner": runner, "ids": ids} for runner in order}
+                done = run_in_turns(RUNNER_COMMAND, specs, decode_tokens, progress)
+            else:
+                done = {}
+                for runner in order:
+                    if progress is not None:
+                        progress(f"{runner} at {s} tokens (turn {turn + 1}/{repeats})")
+                    done[runner] = run({**common, "runner": runner, "ids": ids})
             for runner in order:
-                if runner == "llama.cpp" and llama_note:
-                    continue
-                if progress is not None:
-                    progress(f"{runner} at {s} tokens (turn {turn + 1}/{repeats})")
-                result = run({**common, "runner": runner, "ids": ids})
-                if "error" in result and progress is not None:
-                    progress(f"{runner} at {s} tokens failed: {result['error']}")
-                results[runner].append(result)
+                if "error" in done[runner] and progress is not None:
+                    progress(f"{runner} at {s} tokens failed: {done[runner]['error']}")
+                results[runner].append(done[runner])
         rows += summarize(s, results, llama_note, common)
     return rows
 
@@ -238,6 +227,7 @@ def cli_e2e(args) -> int:
         n_batch=args.n_batch or LLAMA_N_BATCH,
         chunk_tokens=args.chunk_tokens,
         gguf=args.gguf,
+        turns=not args.alone,
         progress=lambda msg: print(msg, file=sys.stderr),
     )
     if args.json:

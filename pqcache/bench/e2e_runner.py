@@ -52,7 +52,9 @@ def _timed_decode(step, first_token: int, n: int) -> tuple[list[int], list[float
     return tokens, times
 
 
-def run_torch(spec: dict, ids: list[int]) -> dict:
+def torch_runner(spec: dict):
+    """The bundled model (or spec's) under spec's method -> (start(prompt) -> (prefill seconds, first token),
+    step(token) -> next token, end()), warmed up."""
     import torch
 
     from pqcache.engine.config import PQCacheConfig
@@ -71,34 +73,34 @@ def run_torch(spec: dict, ids: list[int]) -> dict:
     method = spec["runner"]
     config = PQCacheConfig(**spec.get("config", {}))
     chunk = spec.get("chunk_tokens")
+    state = {}
 
-    def run(prompt: list[int], n_new: int) -> tuple[float, list[int], list[float]]:
-        cache = make_cache(model, method, config)
+    def start(prompt: list[int]) -> tuple[float, int]:
+        state["cache"] = cache = make_cache(model, method, config)
         t0 = time.perf_counter()
         logits = prefill(model, torch.tensor([prompt]), cache, chunk_tokens=chunk)
         if method != "full":
             cache.wait()  # the PQ is built: the next step runs at full speed
-        prefill_s = time.perf_counter() - t0
+        return time.perf_counter() - t0, int(logits.argmax(-1))
 
-        def step(token: int) -> int:
-            return int(decode_one_token(model, torch.tensor([[token]]), cache).argmax(-1))
+    def step(token: int) -> int:
+        return int(decode_one_token(model, torch.tensor([[token]]), state["cache"]).argmax(-1))
 
-        tokens, times = _timed_decode(step, int(logits.argmax(-1)), n_new)
+    def end():
         if method != "full":
-            cache.close()
-        return prefill_s, tokens, times
+            state["cache"].close()
 
-    run(ids[:WARMUP_TOKENS], 4)  # warm-up: first calls allocate and pick kernels
-    return measure(lambda: run(ids, spec["decode_tokens"]), len(ids))
+    return _warmed(start, step, end, spec)
 
 
-def run_llama(spec: dict, ids: list[int]) -> dict:
+def llama_runner(spec: dict):
+    """llama.cpp on spec's GGUF -> (start, step, end) as torch_runner's, warmed up."""
     import numpy as np
     from llama_cpp import Llama
 
     llm = Llama(
         model_path=spec["gguf"],
-        n_ctx=len(ids) + spec["decode_tokens"] + 16,
+        n_ctx=len(spec["ids"]) + spec["decode_tokens"] + 16,
         n_batch=spec["n_batch"],
         n_ubatch=spec["n_batch"],
         n_threads=spec["threads"],
@@ -112,30 +114,41 @@ def run_llama(spec: dict, ids: list[int]) -> dict:
     def logits_argmax() -> int:  # the last evaluated token's logits (the only ones kept)
         return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(n_vocab,))))
 
-    def run(prompt: list[int], n_new: int) -> tuple[float, list[int], list[float]]:
+    def start(prompt: list[int]) -> tuple[float, int]:
         llm.reset()  # eval() then drops the cached positions from 0 on
         t0 = time.perf_counter()
         llm.eval(prompt)
-        prefill_s = time.perf_counter() - t0
+        return time.perf_counter() - t0, logits_argmax()
 
-        def step(token: int) -> int:
-            llm.eval([token])
-            return logits_argmax()
+    def step(token: int) -> int:
+        llm.eval([token])
+        return logits_argmax()
 
-        tokens, times = _timed_decode(step, logits_argmax(), n_new)
-        return prefill_s, tokens, times
-
-    run(ids[:WARMUP_TOKENS], 4)
-    return measure(lambda: run(ids, spec["decode_tokens"]), len(ids))
+    return _warmed(start, step, lambda: None, spec)
 
 
-def measure(run, n_tokens: int) -> dict:
-    """Run the timed prompt once with the memory high-water mark reset just before."""
+def _warmed(start, step, end, spec: dict):
+    """A warm-up on the prompt's first tokens (first calls allocate and pick kernels), then the runner."""
+    _, token = start(spec["ids"][:WARMUP_TOKENS])
+    _timed_decode(step, token, 4)
+    end()
+    return start, step, end
+
+
+def measure(runner, ids: list[int], n_new: int) -> dict:
+    """Prefill the timed prompt with the memory high-water mark reset just before, then n_new greedy tokens."""
+    start, step, end = runner
     gc.collect()
     scoped = reset_peak_rss()
-    prefill_s, tokens, times = run()
+    prefill_s, first = start(ids)
+    tokens, times = _timed_decode(step, first, n_new)
+    end()
+    return _row(len(ids) / prefill_s, tokens, times, scoped)
+
+
+def _row(prefill_tok_s: float, tokens: list[int], times: list[float], scoped: bool) -> dict:
     return {
-        "prefill_tok_s": round(n_tokens / prefill_s, 1),
+        "prefill_tok_s": round(prefill_tok_s, 1),
         "decode_ms": round(statistics.median(times), 2),
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_scope": "run" if scoped else "process",  # process: ru_maxrss, loading included
@@ -143,17 +156,48 @@ def measure(run, n_tokens: int) -> dict:
     }
 
 
+def serve(runner, ids: list[int], lines, say) -> None:
+    """The runner in turns with others (e2e_turns.py): prefill, say {"ready", "prefill_tok_s"}, then for each line
+    "decode N" decode N more tokens and say {"times": [ms, ...]}; at "finish" say the row (the median of every
+    step's time) and return. say(dict) prints one JSON line."""
+    start, step, end = runner
+    gc.collect()
+    scoped = reset_peak_rss()
+    prefill_s, token = start(ids)
+    prefill_tok_s = len(ids) / prefill_s
+    say({"ready": True, "prefill_tok_s": round(prefill_tok_s, 1)})
+    tokens, times = [token], []
+    for line in lines:
+        command = line.split()
+        if command[:1] == ["decode"]:
+            more, taken = _timed_decode(step, tokens[-1], int(command[1]) + 1)
+            tokens += more[1:]
+            times += taken
+            say({"times": [round(t, 3) for t in taken]})
+        elif command[:1] == ["finish"]:
+            break
+    end()
+    say(_row(prefill_tok_s, tokens, times, scoped))
+
+
+def make_runner(spec: dict):
+    return llama_runner(spec) if spec["runner"] == "llama.cpp" else torch_runner(spec)
+
+
 def run_spec(spec: dict) -> dict:
     """The row of one runner's spec (its "ids" and settings)."""
-    spec = dict(spec)
-    ids = spec.pop("ids")
-    return run_llama(spec, ids) if spec["runner"] == "llama.cpp" else run_torch(spec, ids)
+    return measure(make_runner(spec), spec["ids"], spec["decode_tokens"])
 
 
 def main(argv: list[str] | None = None) -> int:
+    """SPEC.json: print the runner's row; SPEC.json --turns: serve() its turns, commands on stdin."""
     argv = sys.argv[1:] if argv is None else argv
     with open(argv[0], encoding="utf-8") as f:
-        print(json.dumps(run_spec(json.load(f))))
+        spec = json.load(f)
+    if "--turns" in argv[1:]:
+        serve(make_runner(spec), spec["ids"], sys.stdin, lambda msg: print(json.dumps(msg), flush=True))
+    else:
+        print(json.dumps(run_spec(spec)))
     return 0
 
 

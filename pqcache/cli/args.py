@@ -163,6 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--n-batch", type=int, default=None, help="e2e: llama.cpp's n_batch (= n_ubatch)")
     b.add_argument("--chunk-tokens", type=int, default=None, help="e2e: prefill chunk (default: generate's)")
     b.add_argument("--gguf", default=None, help="e2e: llama.cpp's GGUF (default: the bundled model's)")
+    b.add_argument("--alone", action="store_true", help="e2e: each runner alone, not decoding in turns with the others")
     b.add_argument(
         "--runners", default=None, help="e2e (llama.cpp,full,pqcache), app (app,session,generate,llama.cpp): runners"
     )

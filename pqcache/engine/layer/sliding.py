@@ -47,11 +47,11 @@ class AppendSlidingWindowLayer(DynamicSlidingWindowLayer):
         if self.kv_dtype is None:
             rule = self.kv_dtype_for
             self.kv_dtype = key_states.dtype if rule is None else rule(key_states.dtype, key_states.device)
-        if key_states.dtype != self.kv_dtype:
-            key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
         Q = key_states.shape[-2]
         if not self.is_initialized or self.record_past or Q > self.max_append:
             self.buf_k = self.buf_v = self._window_k = None
+            if key_states.dtype != self.kv_dtype:
+                key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
             return super().update(key_states, value_states, *args, **kwargs)
         keep = self.sliding_window - 1
         n = self.keys.shape[-2]  # the window held now (<= keep)
@@ -59,7 +59,7 @@ class AppendSlidingWindowLayer(DynamicSlidingWindowLayer):
         # reorder_cache, batch_select_indices) replaced the window since the last step
         if self.buf_k is None or self.end + Q > self.buf_k.shape[-2] or self.keys is not self._window_k:
             self._move_window(n, keep + max(SPARE, Q))
-        self.buf_k[:, :, self.end : self.end + Q] = key_states
+        self.buf_k[:, :, self.end : self.end + Q] = key_states  # rounded to kv_dtype by the copy, as .to() rounds
         self.buf_v[:, :, self.end : self.end + Q] = value_states
         self.end += Q
         self.cumulative_length += Q
