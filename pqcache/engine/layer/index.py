@@ -190,13 +190,7 @@ class PQIndex:
         start, cents = self.segments[-1]
         if self._half_norms[0] is not cents:  # kept per codebook: a decode step codes one key against all of them
             self._half_norms = (cents, pq.centroid_half_norms(cents))
-        keys, norms = self.rotate(keys, start), self._half_norms[1]
-        if keys.shape[2] == 1 and native_select.usable(cents, 1):  # a decode step's key: pq_codes.c (0.17 ms less)
-            codes = torch.empty(keys.shape[:2] + cents.shape[2:3] + (1,), dtype=torch.uint8, device=keys.device)
-            ip = self.config.metric == "ip"
-            native_select.encode_one(keys.float(), cents, None if ip else norms, codes[..., 0])
-            return codes
-        return pq.encode(keys, cents, self.config.metric, norms)
+        return _encode(self.rotate(keys, start), cents, self.config.metric, self._half_norms[1])
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Keys or queries (B, H, n, D) in the coordinates of the segment starting at `start`: R x with
@@ -234,3 +228,12 @@ class PQIndex:
         B, H, S = self.host.B, self.host.H, self.host.S
         cfg = self.config
         return B * H * (cfg.m * S + len(self.segments or [0]) * self.C * self.host.D * 4)
+
+
+def _encode(keys: torch.Tensor, cents: torch.Tensor, metric: str, half_norms: torch.Tensor) -> torch.Tensor:
+    """pq.encode; a decode step's one key in pq_codes.c where it runs (0.17 ms a layer less, Zen 3)."""
+    if keys.shape[2] != 1 or not native_select.usable(cents, 1):
+        return pq.encode(keys, cents, metric, half_norms)
+    codes = torch.empty(keys.shape[:2] + cents.shape[2:3] + (1,), dtype=torch.uint8, device=keys.device)
+    native_select.encode_one(keys.float(), cents, None if metric == "ip" else half_norms, codes[..., 0])
+    return codes
