@@ -8,8 +8,8 @@ import pytest
 
 from pqcache.bench import e2e
 
-# A stand-in for pqcache.bench.e2e_runner: llama.cpp segfaults as the AMX build did, pqcache exits with an error,
-# full prints a row as the real runner does.
+# A stand-in for pqcache.bench.e2e_runner: llama.cpp segfaults as the AMX build did, pqcache exits with an error (in
+# turns, during its first decode turn), full prints a row as the real runner does.
 FAKE_RUNNER = textwrap.dedent(
     """
     import json, os, signal, sys
@@ -19,6 +19,9 @@ FAKE_RUNNER = textwrap.dedent(
         print("ggml_cpu: first eval", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGSEGV)
     if spec["runner"] == "pqcache":
+        if "--turns" in sys.argv:  # in turns it dies in its first decode turn, after its prefill
+            print(json.dumps({"ready": True, "prefill_tok_s": 1.0}), flush=True)
+            sys.stdin.readline()
         print("Traceback (most recent call last):", file=sys.stderr)
         print("RuntimeError: out of memory", file=sys.stderr)
         sys.exit(3)

@@ -339,8 +339,8 @@ static int attend(const float *q, int64_t Hq, const void *k, const void *v, int 
 /* q (Hq, D) -> out (Hq, D): softmax(scaling q . k_j) over the n keys, times the values. k and v: key/value head
    c's row j at element c * head_stride + j * D, of `kind` (half_rows.h: a window kept in float16 or bfloat16 is
    widened as it is read). Query head h reads key/value head h / (Hq / Hk). From SPLIT_KEYS keys on (a sliding
-   layer's window included) the keys are split between the threads, each with its own partial sums. Returns 0, or -1 when scratch
-   memory could not be allocated. */
+   layer's window included) the keys are split between the threads, each with its own partial sums. Returns 0, or
+   -1 when scratch memory could not be allocated. */
 int attend_row(const float *q, int64_t Hq, const void *k, const void *v, int64_t kind, int64_t Hk,
                int64_t head_stride, int64_t n, int64_t D, float scaling, float *out) {
   return attend(q, Hq, k, v, (int)kind, Hk, head_stride, n, NULL, D, scaling, out, NULL);
