@@ -10,15 +10,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import statistics
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from pqcache import native
-from pqcache.bench.e2e_turns import failure, run_in_turns
+from pqcache.bench.e2e_turns import failure, run_in_turns, runner_env, spec_file
 from pqcache.fastpath.dtype import available_cpus, dtype_name, resolve_dtype
 from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
 from pqcache.serving.loading import DEFAULT_NAMES, SMOLLM2_NAMES
@@ -46,17 +44,11 @@ RUNNER_COMMAND = (sys.executable, "-m", "pqcache.bench.e2e_runner")
 def run_in_process(spec: dict) -> dict:
     """One runner in a fresh Python process -> its row, or {"error": how it failed} when the process dies (a
     signal, an exit code) or prints no row: the other runners and lengths still run."""
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
+    path = spec_file(spec)
     try:
-        proc = subprocess.run(
-            [*RUNNER_COMMAND, f.name],
-            capture_output=True,
-            text=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
-        )
+        proc = subprocess.run([*RUNNER_COMMAND, str(path)], capture_output=True, text=True, env=runner_env())
     finally:
-        Path(f.name).unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
     if proc.returncode == 0:
         try:
             return json.loads(proc.stdout.strip().splitlines()[-1])

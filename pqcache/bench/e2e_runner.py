@@ -135,15 +135,22 @@ def _warmed(start, step, end, spec: dict):
     return start, step, end
 
 
-def measure(runner, ids: list[int], n_new: int) -> dict:
-    """Prefill the timed prompt with the memory high-water mark reset just before, then n_new greedy tokens."""
-    start, step, end = runner
+def _prefill(start, ids: list[int]) -> tuple[float, int, bool]:
+    """The timed prompt's prefill with the memory high-water mark reset just before -> (tokens/s, the first token,
+    whether the mark was reset)."""
     gc.collect()
     scoped = reset_peak_rss()
     prefill_s, first = start(ids)
+    return len(ids) / prefill_s, first, scoped
+
+
+def measure(runner, ids: list[int], n_new: int) -> dict:
+    """Prefill the timed prompt (_prefill), then n_new greedy tokens."""
+    start, step, end = runner
+    prefill_tok_s, first, scoped = _prefill(start, ids)
     tokens, times = _timed_decode(step, first, n_new)
     end()
-    return _row(len(ids) / prefill_s, tokens, times, scoped)
+    return _row(prefill_tok_s, tokens, times, scoped)
 
 
 def _row(prefill_tok_s: float, tokens: list[int], times: list[float], scoped: bool) -> dict:
@@ -161,10 +168,7 @@ def serve(runner, ids: list[int], lines, say) -> None:
     "decode N" decode N more tokens and say {"times": [ms, ...]}; at "finish" say the row (the median of every
     step's time) and return. say(dict) prints one JSON line."""
     start, step, end = runner
-    gc.collect()
-    scoped = reset_peak_rss()
-    prefill_s, token = start(ids)
-    prefill_tok_s = len(ids) / prefill_s
+    prefill_tok_s, token, scoped = _prefill(start, ids)
     say({"ready": True, "prefill_tok_s": round(prefill_tok_s, 1)})
     tokens, times = [token], []
     for line in lines:

@@ -38,22 +38,32 @@ def failure(returncode: int, stdout: str, stderr: str) -> str:
     return how + ("; last output: " + " | ".join(lines) if lines else "; it printed nothing")
 
 
+def spec_file(spec: dict) -> Path:
+    """spec written to a temporary JSON file, the runner's argument (the caller deletes it)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    return Path(f.name)
+
+
+def runner_env() -> dict:
+    """A runner's environment: this one's, its tokenizer's threads off (they would compete with the model's)."""
+    return {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+
+
 class Turn:
     """One runner's process, spoken to by lines of JSON (e2e_runner.py --turns)."""
 
     def __init__(self, command: tuple, spec: dict):
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(spec, f)
-        self.spec_path = Path(f.name)
+        self.spec_path = spec_file(spec)
         self.stderr = tempfile.TemporaryFile("w+")  # a file: a pipe nobody reads could fill and stop the runner
         self.printed: list[str] = []  # what it printed that was not a message (kept for a failure's report)
         self.proc = subprocess.Popen(
-            [*command, f.name, "--turns"],
+            [*command, str(self.spec_path), "--turns"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.stderr,
             text=True,
-            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+            env=runner_env(),
         )
         self.error: str | None = None
 

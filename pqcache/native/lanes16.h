@@ -4,6 +4,7 @@
    to the bit on both kinds of CPU. Elsewhere LANES16 is undefined and the kernels take their plain C paths. */
 #ifndef PQCACHE_LANES16_H
 #define PQCACHE_LANES16_H
+#include <stdint.h>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define LANES16 1
@@ -32,4 +33,20 @@ static inline float f16_sum(f16x a) {
   return _mm_cvtss_f32(pair) + _mm_cvtss_f32(_mm_shuffle_ps(pair, pair, 1));
 }
 #endif
+/* a . b over n floats: 32 at a time in two 16-lane sums (then added as above), the last n % 32 one by one; plain C
+   where LANES16 is undefined. layer_step.c's scores and pq_codes.c's tables and codes. */
+static inline float lanes_dot(const float *a, const float *b, int64_t n) {
+  int64_t i = 0;
+  float s = 0.0f;
+#if defined(LANES16)
+  f16x s0 = f16_zero(), s1 = s0;
+  for (; i + 32 <= n; i += 32) {
+    s0 = f16_fmadd(f16_load(a + i), f16_load(b + i), s0);
+    s1 = f16_fmadd(f16_load(a + i + 16), f16_load(b + i + 16), s1);
+  }
+  s = f16_sum(f16_add(s0, s1));
+#endif
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
 #endif

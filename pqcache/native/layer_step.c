@@ -43,21 +43,6 @@ typedef struct {
   const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
 } Layer;
 
-static float dot(const float *a, const float *b, int64_t n) {
-  int64_t i = 0;
-  float s = 0.0f;
-#if defined(LANES16)
-  f16x s0 = f16_zero(), s1 = s0;
-  for (; i + 32 <= n; i += 32) {
-    s0 = f16_fmadd(f16_load(a + i), f16_load(b + i), s0);
-    s1 = f16_fmadd(f16_load(a + i + 16), f16_load(b + i + 16), s1);
-  }
-  s = f16_sum(f16_add(s0, s1));
-#endif
-  for (; i < n; i++) s += a[i] * b[i];
-  return s;
-}
-
 /* y = x * rsqrt(mean(x^2) + eps) * w, in that order (torch's rms_norm); y may be x */
 static void rms_norm(const float *x, const float *w, float *y, int64_t n, double eps) {
   double squares = 0.0;
@@ -130,7 +115,7 @@ static void scores(const float *q, int64_t g, const float *k, int64_t j0, int64_
     }
 #endif
   for (; j < j1; j++)
-    for (int64_t h = 0; h < g; h++) s[h * n + j] = dot(q + h * D, k + j * D, D) * scaling;
+    for (int64_t h = 0; h < g; h++) s[h * n + j] = lanes_dot(q + h * D, k + j * D, D) * scaling;
 }
 
 /* o (g, D) += sum over keys j0..j1 of p[h * n + j] v_j, for the g query rows of one key/value head */

@@ -3,33 +3,19 @@
    for the bundled model's 4 sub-spaces of 64 dimensions), which torch spends in a batched matmul and the half dozen
    reshapes around it: 0.10 and 0.17 ms a layer at a step, where these take a few microseconds (Zen 3, ad hoc).
 
-   Each entry is a float32 dot product summed in lanes16.h's fixed order (pqcache/native's dot), not a matmul's: the
+   Each entry is a float32 dot product summed in lanes16.h's fixed order (lanes_dot), not a matmul's: the
    tables and the codes' scores differ from torch's in the last bits, so a code can differ from torch's only where
    two centroids are within rounding of each other. */
 #include <stdint.h>
 
-#include "lanes16.h"
-
-static float dot(const float *a, const float *b, int64_t n) {
-  int64_t i = 0;
-  float s = 0.0f;
-#if defined(LANES16)
-  if (n % 16 == 0) {
-    f16x acc = f16_zero();
-    for (; i < n; i += 16) acc = f16_fmadd(f16_load(a + i), f16_load(b + i), acc);
-    return f16_sum(acc);
-  }
-#endif
-  for (; i < n; i++) s += a[i] * b[i];
-  return s;
-}
+#include "lanes16.h" /* lanes_dot */
 
 /* q (R, m d): R query rows; centroids (m, C, d) -> tables (m, C, R): tables[j][c][r] = q_r's sub-vector j . c */
 void pq_tables(const float *q, int64_t R, const float *centroids, int64_t m, int64_t C, int64_t d, float *tables) {
   for (int64_t j = 0; j < m; j++)
     for (int64_t c = 0; c < C; c++)
       for (int64_t r = 0; r < R; r++)
-        tables[(j * C + c) * R + r] = dot(q + r * m * d + j * d, centroids + (j * C + c) * d, d);
+        tables[(j * C + c) * R + r] = lanes_dot(q + r * m * d + j * d, centroids + (j * C + c) * d, d);
 }
 
 /* key (m d,) -> codes[j * stride], j < m: the centroid c of sub-space j with the largest key_j . c - half_norm[j][c]
@@ -41,7 +27,7 @@ void pq_encode(const float *key, const float *centroids, const float *half_norm,
     int64_t best = 0;
     float top = 0.0f;
     for (int64_t c = 0; c < C; c++) {
-      float s = dot(key + j * d, centroids + (j * C + c) * d, d) - (half_norm ? half_norm[j * C + c] : 0.0f);
+      float s = lanes_dot(key + j * d, centroids + (j * C + c) * d, d) - (half_norm ? half_norm[j * C + c] : 0.0f);
       if (c == 0 || s > top) {
         top = s;
         best = c;

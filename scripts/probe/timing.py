@@ -128,7 +128,7 @@ def parts(args):
         (index.PQIndex, "append"),
         (index.PQIndex, "encode"),  # ... the new key's codes
         (native_select, "pq_top"),  # the first stage's C call
-        (method.pq, "lookup_tables"),  # ... and its tables
+        (native_select, "tables"),  # ... and its tables (pq_codes.c)
         (host.HostTier, "key_scores"),  # the re-rank's exact scores (gather_dot.c)
         (native_select, "combined_top"),  # ... their combine and top-k
         (host.HostTier, "append"),  # the new token stored
