@@ -25,6 +25,7 @@ from pqcache.engine.iters import kmeans_iters_for, load_fit
 from pqcache.engine.layer.layer import PQLayer
 from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 from pqcache.engine.methods import Method, make_method
+from pqcache.engine.prefill_attention import prefill_attention
 from pqcache.engine.shapes import head_dim_of
 from pqcache.engine.threads import torch_on_this_thread_only
 
@@ -55,7 +56,7 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
         scaling = query.shape[-1] ** -0.5
     B, _, Q, _ = query.shape
     if not layer.prefilled:
-        out = _prefill_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs), None
+        out = prefill_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs), None
         layer.end_prefill_chunk(
             _valid_from_mask(attention_mask, B, key.shape[2], key.device),
             query if layer.keep_queries else None,
@@ -64,32 +65,6 @@ def pqcache_attention(module, query, key, value, attention_mask, scaling=None, d
         return out
     new_valid = _valid_from_mask(attention_mask, B, layer.S + Q, query.device)[:, layer.S :]
     return layer.attend(query, new_valid, scaling, softcap=kwargs.get("softcap")), None
-
-
-# A prefill chunk's queries attend to every cached key in blocks of this many: SDPA's scores for 1,024 queries over
-# 9K keys of the bundled model's 4 query heads take 290 MB at once (measured), a block of 256 a quarter of that.
-# Each query row's attention is its own, so the blocks give what one call gives.
-PREFILL_QUERY_BLOCK = 256
-
-
-def _prefill_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs):
-    """A prefill chunk's exact attention (transformers' SDPA), its queries (B, Hq, Q, D) in blocks of
-    PREFILL_QUERY_BLOCK rows -> (B, Q, Hq, D)."""
-    Q = query.shape[2]
-    # without a mask of a row per query (none: causal from the top-left, which a block's rows would misread)
-    if Q <= PREFILL_QUERY_BLOCK or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[2] != Q:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
-        )[0]
-    outs = []
-    for r in range(0, Q, PREFILL_QUERY_BLOCK):
-        rows = slice(r, r + PREFILL_QUERY_BLOCK)
-        block = query[:, :, rows]
-        mask = attention_mask[:, :, rows]
-        outs.append(
-            sdpa_attention_forward(module, block, key, value, mask, scaling=scaling, dropout=dropout, **kwargs)[0]
-        )
-    return torch.cat(outs, 1)
 
 
 def kmeans_executor() -> ThreadPoolExecutor:
