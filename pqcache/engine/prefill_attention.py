@@ -9,7 +9,10 @@ torch's flash kernel computes each; the two are merged by their log-sum-exps. Ea
 sum, in another order (within float32 rounding of one SDPA call: tests/test_prefill_attention.py). A 32K chunk
 against a 32K cache: 0.83-0.88 s here against 1.10-1.23 s in query blocks (Zen 3, ad hoc), and no mask in memory.
 Any other mask (padded rows of a batch, a sliding window, a bidirectional span) goes through SDPA with the mask,
-the queries in blocks of PREFILL_QUERY_BLOCK rows, which caps the mask's float copy to a quarter of the chunk's.
+the queries in blocks of PREFILL_QUERY_BLOCK rows, which caps the mask's float copy to a quarter of the chunk's. A
+chunk of at most one block (short prompts, the tests' tiny models) is one SDPA call with its mask, as full
+attention's layers compute it: the same bits, so PQCache at a full budget stays within float noise of full
+attention through decode linears that round their inputs (tests/test_decode_layer.py).
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 def prefill_attention(module, query, key, value, attention_mask, scaling, dropout, **kwargs) -> torch.Tensor:
     """query (B, Hq, Q, D), key, value (B, Hk, K, D): every key the chunk attends to, its own last -> (B, Q, Hq, D)."""
     Q = query.shape[2]
-    # without a mask of a row per query (none: causal from the top-left, which a block's rows would misread)
-    if Q <= 1 or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[2] != Q:
+    # one SDPA call for a chunk of one block (its mask is small), as full attention's layers compute it to the bit;
+    # and without a mask of a row per query (none: causal from the top-left, which a block's rows would misread)
+    if Q <= PREFILL_QUERY_BLOCK or attention_mask is None or attention_mask.dim() != 4 or attention_mask.shape[2] != Q:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )[0]
