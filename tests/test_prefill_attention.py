@@ -72,11 +72,10 @@ def test_only_a_chunks_own_mask_takes_the_split(monkeypatch):
         torch.testing.assert_close(out, _reference(query, key, value, mask, D**-0.5), rtol=1e-5, atol=1e-5)
 
     split.clear()  # a chunk of one block: one SDPA call with its mask, as full attention's layers make it
-    small = pa.prefill_attention(module, query[:, :, :40], key[:, :, :440], value[:, :, :440], _chunk_mask(B, 40, 440),
-                                 D**-0.5, 0.0)  # fmt: skip
+    short = (query[:, :, :40], key[:, :, :440], value[:, :, :440], _chunk_mask(B, 40, 440), D**-0.5)
+    out = pa.prefill_attention(module, *short, 0.0)
     assert not split
-    torch.testing.assert_close(small, _reference(query[:, :, :40], key[:, :, :440], value[:, :, :440],
-                                                 _chunk_mask(B, 40, 440), D**-0.5), rtol=1e-5, atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(out, _reference(*short), rtol=1e-5, atol=1e-5)
 
     assert not pa._chunk_mask(_chunk_mask(B, Q, K).float(), K)  # an additive float mask: not read as booleans
     assert not pa._chunk_mask(_chunk_mask(B, Q, K), K + 1)  # keys the mask does not cover
