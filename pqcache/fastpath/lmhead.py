@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pqcache import native
+from pqcache.engine.hugepages import huge_empty
 from pqcache.fastpath.pages import Pages, release
 from pqcache.fastpath.quantize import GROUP, int4_kernel_available, int8_kernel_takes, quantize_int4, quantize_rows
 
@@ -82,7 +83,8 @@ class ExactArgmaxHead(nn.Module):
         self.accumulation = ACCUMULATION * D
         # each bound is (N, stage's groups + 1) @ slack: the weights' error norms per group, then max|w_i|, which
         # multiplies h's bf16 rounding and the accumulation term (computed once, so a step spends one small matmul)
-        q, scale, slack = torch.empty((V, D), dtype=torch.int8), torch.empty(V, dtype=torch.bfloat16), torch.empty(2, V)
+        # the int8 rows on huge pages (hugepages.py): every decode step streams all of them
+        q, scale, slack = huge_empty((V, D), torch.int8), torch.empty(V, dtype=torch.bfloat16), torch.empty(2, V)
         row_max = torch.empty(V, 1)  # max|w_i|
         self.released_bytes = 0
         for start in range(0, V, QUANTIZE_ROWS):  # row by row alike: the float temporaries of a slice, not of all V

@@ -106,6 +106,12 @@ class Int8Rows:
         if use_native and native.library() is not None:
             self.native = native.Int8Product(self.q, self.scale.float())
 
+    def use(self, q: torch.Tensor) -> None:
+        """Read the same int8 rows from `q` from now on (a view of fastpath/hugepages.py's arena)."""
+        self.q = q
+        if self.native is not None:
+            self.native = native.Int8Product(q, self.scale.float())
+
     def mm(self, x: torch.Tensor) -> torch.Tensor:
         """x (R, K) float -> (R, N) float32."""
         if self.native is not None:

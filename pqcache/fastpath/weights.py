@@ -14,8 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from pqcache.engine.hugepages import into_arena
 from pqcache.fastpath.pages import Pages
-from pqcache.fastpath.quantize import WEIGHT_KINDS, is_four_bit
+from pqcache.fastpath.quantize import WEIGHT_KINDS, Int8Rows, is_four_bit
 
 DECODE_WEIGHTS = ("int8", "auto", "int4", "model")
 # "auto": int4 for the linears whose weights already are 4-bit (every group of 32 on a grid of at most 16 levels:
@@ -135,6 +136,16 @@ def install_decode_weights(model, kind: str = DEFAULT_DECODE_WEIGHTS) -> int:
                     parent, name, made[name] if name in made else DecodeLinear(child, kind_for([child.weight], kind))
                 )
                 wrapped += 1
+    # every int8 copy in one buffer on huge pages (a step streams all of them): views of it replace the copies
+    copies = {
+        id(w): w
+        for m in model.modules()
+        if isinstance(m, DecodeLinear)
+        for w in (m.weights, m.group and m.group.weights)
+    }
+    copies = [w for w in copies.values() if isinstance(w, Int8Rows)]
+    for w, q in zip(copies, into_arena([w.q for w in copies])):
+        w.use(q)
     return wrapped
 
 

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pqcache import native
+from pqcache.engine.hugepages import huge_empty
 
 
 class HostTier:
@@ -45,8 +46,11 @@ class HostTier:
         if own_need > own_cap:
             cap = max(own_need + own_need // 4 + 256, 2 * own_cap)
             shape = (self.B, self.H, cap, self.D)
-            k = torch.empty(shape, dtype=self.dtype, device=self.host, pin_memory=self.pin)
-            v = torch.empty(shape, dtype=self.dtype, device=self.host, pin_memory=self.pin)
+            if self.pin:  # page-locked for copies to the GPU
+                k = torch.empty(shape, dtype=self.dtype, device=self.host, pin_memory=True)
+                v = torch.empty(shape, dtype=self.dtype, device=self.host, pin_memory=True)
+            else:  # a CPU decode step reads scattered rows of these: huge pages spare a TLB miss a row
+                k, v = huge_empty(shape, self.dtype), huge_empty(shape, self.dtype)
             if own_cap:
                 k[:, :, : self.S - self.S0] = self.own_k[:, :, : self.S - self.S0]
                 v[:, :, : self.S - self.S0] = self.own_v[:, :, : self.S - self.S0]
