@@ -4,9 +4,9 @@ and values.
 A decode step streams every byte of the LM head's int8 rows (168 MB for Gemma 3) and of the decoder's (100 MB),
 and reads a few thousand scattered rows of each PQ layer's keys and values: with 4 KiB pages that is a TLB miss,
 and a page walk, every 4 KiB of a stream and nearly every scattered row. On 2 MiB pages (Linux's transparent huge
-pages, which the kernels here leave to `madvise`) the same bytes take 1/512 of the misses. One exact-argmax head
-pass on the bundled model (int8_rows_candidates, alternating, 30 rounds of 10 calls, Zen 3, ad hoc): median 14.5 /
-14.5 ms on huge pages against 15.6 / 17.4 on 4 KiB pages, two runs on a busy host.
+pages, which the kernels here leave to `madvise`) the same bytes take 1/512 of the misses. The same native kernels
+over the same numbers, alternating in one process on a busy Zen 3 (ad hoc): the LM head's int8 pass a median of
+18.1 ms against 19.7 on 4 KiB pages, a step's 72 decoder products 12.4 against 13.2 (docs/benchmarks.md).
 
 Only a buffer of at least MIN_BYTES gets its own mapping: a huge page is allocated whole when touched, so a small
 matrix on its own mapping could waste most of 2 MiB. The decoder's matrices therefore share one arena
@@ -34,7 +34,7 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < MIN_BYTES or advice is None:
-        return torch.empty(shape, dtype=dtype)
+        return torch.empty(shape, dtype=dtype, device="cpu")
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         region.madvise(advice)
@@ -42,13 +42,6 @@ def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         pass
     start = ctypes.addressof(ctypes.c_char.from_buffer(region))
     return torch.frombuffer(region, dtype=dtype, count=numel, offset=-start % HUGE_PAGE).view(shape)
-
-
-def huge_copy(t: torch.Tensor) -> torch.Tensor:
-    """t's values in a huge_empty tensor (t itself when it is under MIN_BYTES)."""
-    if t.numel() * t.element_size() < MIN_BYTES:
-        return t
-    return huge_empty(tuple(t.shape), t.dtype).copy_(t)
 
 
 def into_arena(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -107,7 +107,7 @@ class Int8Rows:
             self.native = native.Int8Product(self.q, self.scale.float())
 
     def use(self, q: torch.Tensor) -> None:
-        """Read the same int8 rows from `q` from now on (a view of fastpath/hugepages.py's arena)."""
+        """Read the same int8 rows from `q` from now on (a view of engine/hugepages.py's arena)."""
         self.q = q
         if self.native is not None:
             self.native = native.Int8Product(q, self.scale.float())

@@ -46,11 +46,7 @@ class HostTier:
         if own_need > own_cap:
             cap = max(own_need + own_need // 4 + 256, 2 * own_cap)
             shape = (self.B, self.H, cap, self.D)
-            if self.pin:  # page-locked for copies to the GPU
-                k = torch.empty(shape, dtype=self.dtype, device=self.host, pin_memory=True)
-                v = torch.empty(shape, dtype=self.dtype, device=self.host, pin_memory=True)
-            else:  # a CPU decode step reads scattered rows of these: huge pages spare a TLB miss a row
-                k, v = huge_empty(shape, self.dtype), huge_empty(shape, self.dtype)
+            k, v = _new_store(shape, self.dtype, self.pin), _new_store(shape, self.dtype, self.pin)
             if own_cap:
                 k[:, :, : self.S - self.S0] = self.own_k[:, :, : self.S - self.S0]
                 v[:, :, : self.S - self.S0] = self.own_v[:, :, : self.S - self.S0]
@@ -224,6 +220,12 @@ class HostTier:
     def own_bytes(self) -> int:
         """Bytes this tier holds itself (a fork's shared prefix belongs to its parent)."""
         return 2 * self.B * self.H * (self.S - self.S0) * self.D * self.dtype.itemsize
+
+
+def _new_store(shape: tuple, dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Host memory for keys or values: page-locked for copies to a GPU; elsewhere on huge pages where it is large
+    enough (engine/hugepages.py: a CPU decode step reads scattered rows of it, a TLB miss a row spared)."""
+    return torch.empty(shape, dtype=dtype, device="cpu", pin_memory=True) if pin else huge_empty(shape, dtype)
 
 
 def _grow(flags: torch.Tensor, cap: int, n: int) -> torch.Tensor:
