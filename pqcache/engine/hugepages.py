@@ -17,6 +17,7 @@ whatever pages the kernel gives: nothing changes but the speed.
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 
 import torch
@@ -28,10 +29,8 @@ MIN_BYTES = 8 << 20  # below this a buffer keeps torch's allocator (a huge page 
 def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous tensor on 2 MiB-aligned private anonymous memory advised MADV_HUGEPAGE (the
     tensor keeps the mapping alive); torch.empty for buffers under MIN_BYTES or where the advice is unknown."""
-    numel = 1
-    for n in shape:
-        numel *= n
-    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    numel = math.prod(shape)
+    nbytes = numel * dtype.itemsize
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     if nbytes < MIN_BYTES or advice is None:
         return torch.empty(shape, dtype=dtype, device="cpu")

@@ -83,7 +83,7 @@ class ExactArgmaxHead(nn.Module):
         self.accumulation = ACCUMULATION * D
         # each bound is (N, stage's groups + 1) @ slack: the weights' error norms per group, then max|w_i|, which
         # multiplies h's bf16 rounding and the accumulation term (computed once, so a step spends one small matmul)
-        # the int8 rows on huge pages (hugepages.py): every decode step streams all of them
+        # the int8 rows on huge pages (engine/hugepages.py): every decode step streams all of them
         q, scale, slack = huge_empty((V, D), torch.int8), torch.empty(V, dtype=torch.bfloat16), torch.empty(2, V)
         row_max = torch.empty(V, 1)  # max|w_i|
         self.released_bytes = 0

@@ -137,13 +137,9 @@ def install_decode_weights(model, kind: str = DEFAULT_DECODE_WEIGHTS) -> int:
                 )
                 wrapped += 1
     # every int8 copy in one buffer on huge pages (a step streams all of them): views of it replace the copies
-    copies = {
-        id(w): w
-        for m in model.modules()
-        if isinstance(m, DecodeLinear)
-        for w in (m.weights, m.group and m.group.weights)
-    }
-    copies = [w for w in copies.values() if isinstance(w, Int8Rows)]
+    linears = [m for m in model.modules() if isinstance(m, DecodeLinear)]
+    held = {id(w): w for w in (m.group.weights if m.group else m.weights for m in linears)}  # a group's copy once
+    copies = [w for w in held.values() if isinstance(w, Int8Rows)]
     for w, q in zip(copies, into_arena([w.q for w in copies])):
         w.use(q)
     return wrapped
