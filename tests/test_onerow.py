@@ -253,6 +253,7 @@ def test_values_read_in_place_keep_the_general_steps_tokens_and_picks(arch, sett
         return real_sums(*args)
 
     monkeypatch.setattr(onerow, "NATIVE_ATTENTION", attention == "native")
+    monkeypatch.setattr(onerow, "FUSED", False)  # the attention's own call (the fused one: tests/test_pq_step.py)
     monkeypatch.setattr(owner, name, counted)
     model = tiny_model(arch)
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))

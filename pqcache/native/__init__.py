@@ -19,6 +19,8 @@ memory's speed on the table.
                    call instead of about 140 torch operators a layer (wrapped in native/select.py).
     pq_codes.c     a decode step's PQ lookup tables and the new key's codes, instead of a batched matmul and
                    the reshapes around it (native/select.py).
+    pq_step.c      a PQ layer's whole selection and attention for one token in one call, the kernels above in turn
+                   (native/select.py's pq_step, layer/onerow.py), without the Python between them.
 
 `python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
 together once per machine with the system's C compiler (`cc`, or $CC; 0.6 s here) into $PQCACHE_KERNEL_DIR
@@ -47,7 +49,7 @@ from pqcache.native.signatures import declare
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("int8_rows.c", "gather_dot.c", "layer_step.c", "pq_select.c", "pq_codes.c")
+    for name in ("int8_rows.c", "gather_dot.c", "layer_step.c", "pq_select.c", "pq_codes.c", "pq_step.c")
 ]
 HEADERS = [
     Path(__file__).with_name(name) for name in ("lanes16.h", "half_rows.h", "exp_poly.h")

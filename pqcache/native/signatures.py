@@ -29,3 +29,6 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.pq_tables.restype = lib.pq_encode.restype = None
     lib.pq_tables.argtypes = [pointer, size, pointer, size, size, size, pointer]
     lib.pq_encode.argtypes = [pointer, pointer, pointer, size, size, size, pointer, size]
+    lib.pq_step.restype = ctypes.c_int
+    lib.pq_step.argtypes = [pointer] + [size] * 3 + [ctypes.c_float, pointer, pointer, size, ctypes.c_int, size, size]
+    lib.pq_step.argtypes += [pointer] * 3 + [size] * 3 + [pointer] * 2

@@ -34,6 +34,10 @@ def settings(model, what: str, cache=None):
         import pqcache.engine.methods.pqcache as method
 
         return switch(method, "NATIVE_SELECT", True, False)
+    if what == "pqstep":  # A: the one-row step's selection and attention in one C call (pq_step), B: call by call
+        import pqcache.engine.layer.onerow as onerow
+
+        return switch(onerow, "FUSED", True, False)
     if what == "attention":  # A: the one-row step's attention in one C call (attend_picks), B: torch's, values in place
         import pqcache.engine.layer.onerow as onerow
 

@@ -30,8 +30,10 @@ from contextlib import nullcontext
 
 import torch
 
+from pqcache import native
 from pqcache.engine.layer.attention import masked_attention, query_key_dots
 from pqcache.engine.layer.probe import observe_picks
+from pqcache.engine.methods import pqcache as pq_method
 from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
 from pqcache.engine.sources import add_weights
 from pqcache.native import KV_KINDS
@@ -39,6 +41,8 @@ from pqcache.native import select as native_select
 
 VALUES_IN_PLACE = True  # the picks' values read in place (the tests switch it off to compare with the general step)
 NATIVE_ATTENTION = True  # ...and the whole attention in one C call (native/select.attend_picks) on a CPU
+FUSED = True  # ...and with it the selection, in the same C call (native/select.pq_step), where nothing is recorded
+ONE = torch.ones((1, 1), dtype=torch.bool)  # a real new token's flag
 
 
 def ready(layer, query: torch.Tensor) -> bool:
@@ -82,6 +86,12 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
 
     # the step's budget and candidates (what PQLayer.select's view reads)
     k = layer.topk_counts()[0]
+    if FUSED and _fusable(layer, query, softcap, new_valid):
+        # window.candidates() less its tail (the window's last tokens: never candidates), a view
+        cand = host.searchable[0, : max(0, S - window.n_local[0])]
+        wide = first_stage_count(config, k, int(torch.count_nonzero(cand)))
+        if 0 < k < wide:
+            return _fused(layer, state, index, query, cand, (k, wide), k_new, v_new, scaling)
     cand = window.candidates()  # (1, S): real tokens that are not sinks, older than the window
     n_cand = int(cand.sum())
     k_max = min(k, S)
@@ -128,6 +138,58 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     if layer.obs is not None:
         observe_picks(layer, q, scaling, top, top_valid, moved)
     return _append(layer, state, index, top, top_valid, moved, k_new, v_new, new_valid, out)
+
+
+def _fusable(layer, query, softcap, new_valid) -> bool:
+    """Whether the step's selection and attention can be one C call (native/select.pq_step): the kernels the
+    steps below call one by one, on the same operands (methods/pqcache.search's and rerank_exact's native paths,
+    _attend_in_place's), with nothing recorded per token and no block cache to keep books for."""
+    host, window, index = layer.host, layer.window, layer.method_state["index"]
+    return (
+        NATIVE_ATTENTION
+        and VALUES_IN_PLACE
+        and pq_method.NATIVE_SELECT
+        and softcap is None
+        and layer.tally is None
+        and window.blocks is None
+        and bool(new_valid.view(-1)[0])
+        and host.reads_in_place
+        and native.library() is not None
+        and query.dtype == torch.float32
+        and window.k.device.type == "cpu"
+        and window.k.dtype in KV_KINDS
+        and native_select.usable(index.segments[0][1], query.shape[1] // host.H)
+        and not (index.use_tuples and host.S >= 2 * index.n_tuples and index.codes.shape[2] != 1)
+        and layer.config.gqa_combine in native_select.MODES
+    )
+
+
+def _fused(layer, state, index, query, cand, counts, k_new, v_new, scaling: float) -> torch.Tensor:
+    """attend's step in one C call (native/select.pq_step) for k picks re-ranked from `wide` PQ candidates
+    (counts = (k, wide)) -> (1, 1, Hq, D); its books (selection, counters, an observer's records) as attend keeps
+    them."""
+    host, window = layer.host, layer.window
+    k, wide = counts
+    _, Hq, _, D = query.shape
+    H = host.H
+    lo = window.n_init + window.L
+    window.ensure(0, 1)  # the new token goes into the buffer's first free slot, after the sinks and ring
+    window.k[:, :, lo], window.v[:, :, lo] = k_new[:, :, 0], v_new[:, :, 0]
+    host.sync()
+    S0, own = host.S0, host.own_k is not None
+    stores = (host.shared_k[0] if S0 else None, host.shared_v[0] if S0 else None, S0)
+    stores += (host.own_k[0, :, : host.S - S0] if own else None, host.own_v[0, :, : host.S - S0] if own else None)
+    idx = (index.segments[0][1][0], index.codes[0])
+    slots = (window.k[0], window.v[0], lo + 1)
+    top, out = native_select.pq_step(
+        query.reshape(Hq, D), scaling, idx, cand, wide, k, layer.config.gqa_combine, stores, slots
+    )
+    top = top[None]  # (1, H, k): every pick valid (a candidate, in the re-rank's k)
+    top_valid = torch.ones_like(top, dtype=torch.bool)
+    moved = window.moved(torch.zeros_like(top_valid), top_valid, False, 0)  # no block cache: every pick read here
+    if layer.obs is not None:
+        observe_picks(layer, query.reshape(1, H, Hq // H, D), scaling, top, top_valid, moved)
+    return _append(layer, state, index, top, top_valid, moved, k_new, v_new, ONE, out.view(1, 1, Hq, D))
 
 
 def _attend_in_place(layer, q, lo: int, picks, k_new, v_new, new_valid, scaling: float) -> torch.Tensor:

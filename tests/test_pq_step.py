@@ -1,0 +1,105 @@
+"""A PQ layer's one-row step in one C call (native/select.pq_step, pq_step.c) against the same step call by call
+(layer/onerow.py's search, rerank_exact and attend_picks): the same kernels on the same numbers, so the same tokens,
+bit-identical scores, the same picks, tiers, codes and counters; on a fork (the app's shape: a document's tier
+shared, the answer's own) and under the app's kind of observer too."""
+
+import pytest
+import torch
+
+from pqcache import PQCache, PQCacheConfig
+from pqcache.engine.layer import onerow
+
+from .conftest import greedy_generate, tiny_model
+from .test_onerow import CONFIGS, SMALL, _same_layers
+
+
+def _counted(monkeypatch, fused: bool) -> list:
+    """FUSED on or off; the list each fused step appends to."""
+    taken, real = [], onerow._fused
+
+    def counted(*args, **kwargs):
+        taken.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(onerow, "FUSED", fused)
+    monkeypatch.setattr(onerow, "_fused", counted)
+    return taken
+
+
+def _greedy(model, ids, cfg, fused: bool, monkeypatch, observe: bool = False):
+    taken = _counted(monkeypatch, fused)
+    with torch.no_grad():
+        cache = PQCache(model, cfg)
+        obs = cache.instrument(timeline=True, attention_every=2, recall_every=3) if observe else None
+        seq, scores = greedy_generate(model, ids, cache, n=12)
+    return seq, scores, cache, len(taken), obs and obs.to_dict()
+
+
+@pytest.mark.parametrize("setting", ["re-rank of every candidate", "re-rank of 4k", "raw sum over the GQA group"])
+def test_fused_step_equals_the_step_call_by_call(arch, setting, monkeypatch):
+    from pqcache import native
+
+    assert native.library() is not None, native.status()
+    model = tiny_model(arch)
+    ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
+    cfg = CONFIGS[setting]
+    seq, scores, cache, taken, _ = _greedy(model, ids, cfg, True, monkeypatch)
+    ref_seq, ref_scores, ref_cache, ref_taken, _ = _greedy(model, ids, cfg, False, monkeypatch)
+    assert taken == 11 * len(cache.pq_layers) and ref_taken == 0  # every decode step after the first token
+    assert torch.equal(seq, ref_seq)
+    assert torch.equal(scores, ref_scores)  # bit-identical: the same kernels in the same order
+    _same_layers(cache, ref_cache)
+    picks = cache.pq_layers[0].last_selection[1].sum()
+    assert 0 < picks < 300 // 4  # a real selection: a part of the middle tokens
+
+
+def test_fused_step_on_a_fork_reads_both_parts_of_its_tier(monkeypatch):
+    """A document prefilled once, a fork per question, the answer's steps: picks from the parent's part and from
+    the fork's own (its window's tokens age into the candidates), equal to the steps call by call."""
+    model = tiny_model("gemma3")
+    g = torch.Generator().manual_seed(3)
+    doc, question = torch.randint(1, 96, (1, 320), generator=g), torch.randint(1, 96, (1, 9), generator=g)
+    # a window of 8 tokens: after a few steps the question's tokens are candidates, in the fork's own rows
+    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, n_local=8, **SMALL)
+
+    def answer(fused: bool):
+        taken = _counted(monkeypatch, fused)
+        with torch.no_grad():
+            parent = PQCache(model, cfg)
+            model(doc, cache=parent)
+            parent.wait()
+            fork = parent.fork("pqcache")
+            logits = model(question, cache=fork).logits[:, -1:]
+            tokens = []
+            for _ in range(16):
+                token = logits.argmax(-1)
+                tokens.append(token)
+                logits = model(token, cache=fork).logits
+        return torch.cat(tokens, 1), logits, fork, len(taken)
+
+    tokens, logits, fork, taken = answer(True)
+    ref_tokens, ref_logits, ref_fork, ref_taken = answer(False)
+    assert taken == 16 * len(fork.pq_layers) and ref_taken == 0
+    layer = fork.pq_layers[0]
+    assert layer.host.S0 == 320
+    assert int(layer.last_selection[0].max()) >= 320  # a pick from the fork's own rows
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    _same_layers(fork, ref_fork)
+
+
+def test_fused_step_keeps_the_observers_records(monkeypatch):
+    """Under the app's observer (timeline, power law and recall at sampled steps, computed from the step's query and
+    picks): every step takes the fused call; the same tokens, counters and records as call by call."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(11))
+    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, **SMALL)
+    seq, scores, cache, taken, got = _greedy(model, ids, cfg, True, monkeypatch, observe=True)
+    ref_seq, ref_scores, ref_cache, _, want = _greedy(model, ids, cfg, False, monkeypatch, observe=True)
+    assert taken == 11 * len(cache.pq_layers)
+    assert torch.equal(seq, ref_seq) and torch.equal(scores, ref_scores)
+    _same_layers(cache, ref_cache)
+    assert got["recall"] and got["attention"]  # sampled steps recorded
+    assert got["recall"] == want["recall"] and got["attention"] == want["attention"]
+    assert got["blocks"] == want["blocks"] and got["bytes"] == want["bytes"]
+    lanes = [(e["lane"], e["layer"]) for e in got["events"] if e["lane"] != "host clustering"]
+    assert sorted(lanes) == sorted((e["lane"], e["layer"]) for e in want["events"] if e["lane"] != "host clustering")
