@@ -274,15 +274,17 @@ static int attend(const float *q, int64_t Hq, const void *k, const void *v, int 
 #pragma omp parallel num_threads(threads)
   {
     int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    int64_t j0 = n * t / nt, j1 = n * (t + 1) / nt; /* this thread's keys and picks, for scores and values */
-    int64_t k0 = j0 < n_keys ? j0 : n_keys, k1 = j1 < n_keys ? j1 : n_keys; /* ...its keys */
+    /* this thread's share of the keys and its share of the picks, for scores and values: each thread takes part of
+       both, since the picks' scattered rows are slower to read than the window's (a PQ layer's 1.6K of each at
+       32K: one thread had all the picks, docs/benchmarks.md) */
+    int64_t k0 = n_keys * t / nt, k1 = n_keys * (t + 1) / nt, p0 = count * t / nt, p1 = count * (t + 1) / nt;
     for (int64_t c = 0; c < Hk; c++) {
       kind_scores(q + c * group * D, group, (const char *)k + c * head_stride * size, kind, k0, k1, D, scaling,
                   s + c * group * n, n);
-      for (int64_t j = k1 > j0 ? k1 : j0; j < j1; j++) { /* its picks: the re-rank's scores */
-        int64_t i = c * count + j - n_keys;
+      for (int64_t p = p0; p < p1; p++) { /* its picks: the re-rank's scores */
+        int64_t i = c * count + p;
         for (int64_t h = 0; h < group; h++)
-          s[(c * group + h) * n + j] = P->valid[i] ? P->scores[i * group + h] : -INFINITY;
+          s[(c * group + h) * n + n_keys + p] = P->valid[i] ? P->scores[i * group + h] : -INFINITY;
       }
     }
 #pragma omp barrier
@@ -299,8 +301,7 @@ static int attend(const float *q, int64_t Hq, const void *k, const void *v, int 
       float *o = part + (t * Hq + c * group) * D;
       kind_weighted_values(s + c * group * n, group, (const char *)v + c * head_stride * size, kind, k0, k1, D, o,
                            n);
-      if (j1 > n_keys)
-        weighted_picks(s + c * group * n, group, P, c, (k1 > j0 ? k1 : j0) - n_keys, j1 - n_keys, D, o, n, n_keys);
+      if (p1 > p0) weighted_picks(s + c * group * n, group, P, c, p0, p1, D, o, n, n_keys);
     }
   }
   for (int64_t i = 0; i < Hq * D; i++) {
