@@ -1,6 +1,6 @@
 """The short decode forward of Gemma 3 and Llama-family layers (pqcache/fastpath/layer.py): bit-identical to the
 model's forward with the quantized decode linears (int8, int4), under full attention and PQCache, on tiny Gemma 3,
-Llama, Mistral and Qwen2 models, and only where it applies; its step in C (native.LayerStep) within 1e-4 of the
+Llama, Mistral and Qwen2 models, and only where it applies; its step in C (native/layer.py) within 1e-4 of the
 torch step, with the same greedy tokens. SmolLM2's real weights: tests/test_smollm2.py."""
 
 from __future__ import annotations
@@ -284,3 +284,40 @@ def test_the_step_records_to_its_own_caches_observer_and_other_hooks_keep_the_fo
         hook.remove()
     assert step.steps == before + 1 and calls == [1]  # the model's forward ran, and its hook with it
     ann.close(), bob.close()
+
+
+@pytest.mark.parametrize("kv_dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_a_sliding_layers_step_in_one_call_equals_three(monkeypatch, kv_dtype, kv_heads):
+    """A sliding-window layer's step in one C call (layer_window_step: qkv, the token written into the window, the
+    attention, out) against the three calls and update_stored's copies: the same logits to the bit, the windows'
+    buffers equal (the token rounded to the KV dtype as torch's copy rounds it), through the windows' moves."""
+    ids = torch.randint(1, 96, (1, 40), generator=torch.Generator().manual_seed(5))
+    cfg = PQCacheConfig(token_budget=0.2, n_init=4, n_local=8, kmeans_iters=5, bits=4, kv_dtype=kv_dtype)
+    calls, real = [], decode_layer.FastDecodeLayer._window_step
+
+    def counted(self, *args):
+        out = real(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(decode_layer.FastDecodeLayer, "_window_step", counted)
+    runs = {}
+    for one_call in (True, False):
+        monkeypatch.setattr(decode_layer, "WINDOW_STEP", one_call)
+        model = _tiny("gemma3", seed=6, kv_heads=kv_heads)
+        install_decode_weights(model)
+        install_fast_decode(model)
+        cache = PQCache(model, cfg)
+        with torch.no_grad():
+            runs[one_call] = (_decode(model, cache, ids, n=80), cache)  # 80 steps: the window's buffer moves
+    n_sliding = model.config.layer_types.count("sliding_attention")
+    assert calls.count(True) == 80 * n_sliding  # every step of every sliding layer took the one call
+    (logits, cache), (ref_logits, ref_cache) = runs[True], runs[False]
+    assert torch.equal(logits, ref_logits)
+    sliding = [i for i, kind in enumerate(model.config.layer_types) if kind == "sliding_attention"]
+    for i in sliding:
+        got, want = cache.layers[i], ref_cache.layers[i]
+        assert got.keys.dtype == getattr(torch, kv_dtype)
+        assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)
+        assert got.cumulative_length == want.cumulative_length

@@ -12,6 +12,7 @@ import torch
 
 from pqcache import native
 from pqcache.fastpath.quantize import Int8Rows
+from pqcache.native.layer import LayerStep
 
 
 def _reference(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -230,7 +231,7 @@ def test_the_host_tiers_key_scores_read_across_a_forks_two_parts():
     torch.testing.assert_close(tier.value_sums(pos, p), want, rtol=1e-5, atol=1e-5)
 
 
-def _step(Hq: int, Hk: int, D: int) -> native.LayerStep:
+def _step(Hq: int, Hk: int, D: int) -> LayerStep:
     """A LayerStep for attend alone (attend reads only the head counts and size)."""
     E, inter = 64, 96
     shapes = {"qkv": ((Hq + 2 * Hk) * D, E), "o": (E, Hq * D), "gate_up": (2 * inter, E), "down": (E, inter)}
@@ -240,7 +241,7 @@ def _step(Hq: int, Hk: int, D: int) -> native.LayerStep:
     }
     norms = {name: torch.ones(E) for name in ("w_in", "w_post_attn", "w_pre_ff", "w_post_ff")}
     norms["w_qk"] = torch.ones(Hq + Hk, D)
-    return native.LayerStep({"E": E, "Hq": Hq, "Hk": Hk, "D": D, "I": inter}, 1e-6, norms, products)
+    return LayerStep({"E": E, "Hq": Hq, "Hk": Hk, "D": D, "I": inter}, 1e-6, norms, products)
 
 
 @pytest.mark.parametrize(

@@ -14,10 +14,11 @@ without the quantized copies run the model's own forward. `step` is the same for
 row, called by fastpath/step.py with the layer's cache and attention reached directly.
 
 Where pqcache/native built and the copies are its int8 rows, `step` runs the layer in three C calls instead
-(native.LayerStep, layer_step.c: 0.25 against 0.40 ms a Gemma sliding layer's step here, warm caches, ad hoc): the
+(native/layer.py, layer_step.c: 0.25 against 0.40 ms a Gemma sliding layer's step here, warm caches, ad hoc): the
 same products, the rest in another summation order, so its logits are within 1e-4 of the torch step's, not
 bit-identical, and greedy tokens are the same (tests/test_decode_layer.py). The cache update and PQCache's
-attention stay in Python.
+attention stay in Python; a sliding-window layer's step whose window has a row ready (AppendSlidingWindowLayer's
+in-place path) is one C call with its window's write (layer_window_step, the same arithmetic: the same logits).
 """
 
 from __future__ import annotations
@@ -27,13 +28,15 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
-from pqcache import native
 from pqcache.engine.layer.layer import PQLayer
+from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 from pqcache.fastpath.shape import ACTIVATIONS, LayerShape, activation, layer_shape
 from pqcache.fastpath.weights import DecodeLinear
+from pqcache.native.layer import LayerStep
 
 ONE_REAL = torch.ones((1, 1), dtype=torch.bool)  # a step's new token is a real one (PQLayer.attend's new_valid)
 NATIVE_STEP = True  # `step` in C where it can (the tests switch it off to compare with the torch step to the bit)
+WINDOW_STEP = True  # ...and a sliding-window layer's step in one C call (the tests compare it with three)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -118,6 +121,10 @@ class FastDecodeLayer:
         window's, a full-attention layer's of a DynamicCache), with SDPA called as transformers calls it."""
         self.steps += 1
         if self.native is not None:
+            if WINDOW_STEP and type(cache_layer) is AppendSlidingWindowLayer:
+                y = self._window_step(x, position_embeddings, cache_layer)
+                if y is not None:
+                    return y
             return self._native_step(x, position_embeddings, cache_layer)
         attn, Hq, Hk = self.attn, self.n_q, self.n_kv
         qk, qkv = self._qkv(x, position_embeddings)
@@ -151,6 +158,18 @@ class FastDecodeLayer:
             out = layer.attend(qkv[:Hq], key, value, self.attn.scaling)
         return layer.out(x, out)
 
+    def _window_step(self, x: torch.Tensor, position_embeddings, cache_layer) -> torch.Tensor | None:
+        """_native_step of a sliding-window layer in one C call (layer_window_step: the same qkv, the token written
+        into the window's buffer as update_stored writes it, the same attention and out), or None where the window
+        has no row ready for it (update_stored's in-place path does not apply)."""
+        taken = cache_layer.take_slots(1, x.dtype, x.device)
+        if taken is None:
+            return None
+        cos, sin = position_embeddings  # (1, 1, D) each
+        buffers = (cache_layer.buf_k, cache_layer.buf_v, *taken)
+        sin = self._signed_sin(sin).reshape(-1)
+        return self.native.window_step(x.contiguous(), cos.reshape(-1), sin, buffers, self.attn.scaling)
+
     def _qkv(self, x: torch.Tensor, position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
         """x (R, E) -> the (normed,) rotated query and key heads (R, Hq + Hk, D) and all heads (R, Hq + 2 Hk, D)."""
         Hq, Hk, D, shape = self.n_q, self.n_kv, self.D, self.shape
@@ -177,7 +196,7 @@ class FastDecodeLayer:
         attn, mlp = self.attn, self.layer.mlp
         self.qkv, self.gate_up = attn.q_proj.group.weights, mlp.gate_proj.group.weights  # stacked (FusedSiblings)
         self.o, self.down = attn.o_proj.weights, mlp.down_proj.weights
-        self.native = None  # native.LayerStep where every product is a native int8 one
+        self.native = None  # LayerStep where every product is a native int8 one
         products = {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
         if NATIVE_STEP and all(getattr(w, "native", None) is not None for w in products.values()):
             shape = self.shape
@@ -185,7 +204,7 @@ class FastDecodeLayer:
             sizes["act"] = ACTIVATIONS.index(shape.act)
             names = ("w_in", "w_qk", "w_post_attn", "w_pre_ff", "w_post_ff", "qkv_bias")
             extras = {name: getattr(shape, name) for name in names}  # None where the layer has none
-            self.native = native.LayerStep(sizes, self.eps, extras, {k: w.native for k, w in products.items()})
+            self.native = LayerStep(sizes, self.eps, extras, {k: w.native for k, w in products.items()})
 
     def _signed_sin(self, sin: torch.Tensor) -> torch.Tensor:
         """rotate_half(x) * sin == roll(x, D/2) * cat(-sin[:D/2], sin[D/2:]), exactly (a sign flip is exact).

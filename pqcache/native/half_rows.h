@@ -6,6 +6,7 @@
    KV_F32, KV_F16, KV_BF16: the store's element kind, as native/__init__.py's KV_KINDS numbers them. */
 #ifndef PQCACHE_HALF_ROWS_H
 #define PQCACHE_HALF_ROWS_H
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #if defined(__F16C__) || defined(__AVX2__)
@@ -74,5 +75,40 @@ static inline const float *row_as_float(const void *store, int kind, int64_t str
 }
 
 static inline int64_t kv_bytes(int kind) { return kind == KV_F32 ? 4 : 2; }
+
+/* float32 -> binary16, nearest even (torch's conversion: the FP16 library's, as c10::Half rounds; NaN -> 0x7E00) */
+static inline uint16_t float_to_f16(float f) {
+  uint32_t w, bias, b;
+  memcpy(&w, &f, sizeof w);
+  uint32_t shl1 = w + w, sign = w & 0x80000000u;
+  float base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f; /* overflow to inf, then the exponent room for rounding */
+  bias = shl1 & 0xFF000000u;
+  if (bias < 0x71000000u) bias = 0x71000000u;
+  bias = (bias >> 1) + 0x07800000u;
+  float bias_f;
+  memcpy(&bias_f, &bias, sizeof bias_f);
+  base = bias_f + base; /* the float adder rounds the mantissa to 10 bits, to nearest even */
+  memcpy(&b, &base, sizeof b);
+  uint32_t nonsign = ((b >> 13) & 0x7C00u) + (b & 0x0FFFu);
+  return (uint16_t)((sign >> 16) | (shl1 > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+/* float32 -> bfloat16, nearest even (c10::BFloat16's round_to_nearest_even; NaN -> 0x7FC0) */
+static inline uint16_t float_to_bf16(float f) {
+  if (f != f) return 0x7FC0;
+  uint32_t u;
+  memcpy(&u, &f, sizeof u);
+  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+/* n floats -> n elements of kind `kind` at row, each rounded as torch's copy into such a tensor rounds it */
+static inline void narrow_row(const float *in, int kind, void *row, int64_t n) {
+  if (kind == KV_F32) {
+    memcpy(row, in, sizeof(float) * n);
+    return;
+  }
+  uint16_t *h = (uint16_t *)row;
+  for (int64_t i = 0; i < n; i++) h[i] = kind == KV_F16 ? float_to_f16(in[i]) : float_to_bf16(in[i]);
+}
 
 #endif

@@ -29,7 +29,7 @@
 
 int int8_rows_mm(const float *x, const int8_t *q, const float *scale, float *y, int64_t R, int64_t N, int64_t K);
 
-/* pqcache/native/__init__.py's LayerWeights mirrors this (ctypes.Structure, same field order and types) */
+/* pqcache/native/layer.py's LayerWeights mirrors this (ctypes.Structure, same field order and types) */
 typedef struct {
   int64_t E, Hq, Hk, D, I; /* hidden size, query heads, key/value heads, head size, intermediate size */
   int64_t act;             /* the MLP's activation: 0 GELU (tanh), 1 SiLU */
@@ -371,5 +371,28 @@ int layer_out(const Layer *L, const float *x, const float *attn, float *y) {
   free(t);
   free(h);
   free(gu);
+  return failed ? -1 : 0;
+}
+
+/* A sliding-window layer's whole step (fastpath/layer.py): layer_qkv, the new key and value into row `slot` of the
+   window's buffers k and v (Hk heads head_stride elements apart, rows of kind; rounded as torch's copy rounds),
+   attention over the n rows ending at that row (attend_row's), then layer_out -> y (E,). One call instead of three
+   and the cache's two copies between them. Returns 0, or -1 without scratch memory (the buffers untouched). */
+int layer_window_step(const Layer *L, const float *x, const float *cos, const float *sin_signed, void *k, void *v,
+                      int64_t kind, int64_t head_stride, int64_t slot, int64_t n, float scaling, float *y) {
+  int64_t Hq = L->Hq, Hk = L->Hk, D = L->D, size = kv_bytes((int)kind);
+  float *qkv = malloc(sizeof(float) * (Hq + 2 * Hk) * D), *attn = malloc(sizeof(float) * Hq * D);
+  int failed = qkv == NULL || attn == NULL || layer_qkv(L, x, cos, sin_signed, qkv);
+  for (int64_t c = 0; !failed && c < Hk; c++) {
+    int64_t at = (c * head_stride + slot * D) * size;
+    narrow_row(qkv + (Hq + c) * D, (int)kind, (char *)k + at, D);
+    narrow_row(qkv + (Hq + Hk + c) * D, (int)kind, (char *)v + at, D);
+  }
+  int64_t first = (slot + 1 - n) * D * size;
+  if (!failed) failed = attend(qkv, Hq, (char *)k + first, (char *)v + first, (int)kind, Hk, head_stride, n, NULL, D,
+                               scaling, attn, NULL);
+  if (!failed) failed = layer_out(L, x, attn, y);
+  free(qkv);
+  free(attn);
   return failed ? -1 : 0;
 }

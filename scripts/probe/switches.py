@@ -38,6 +38,10 @@ def settings(model, what: str, cache=None):
         import pqcache.engine.layer.onerow as onerow
 
         return switch(onerow, "FUSED", True, False)
+    if what == "window":  # A: a sliding layer's step in one C call (layer_window_step), B: three and the copies
+        import pqcache.fastpath.layer as fast_layer
+
+        return switch(fast_layer, "WINDOW_STEP", True, False)
     if what == "attention":  # A: the one-row step's attention in one C call (attend_picks), B: torch's, values in place
         import pqcache.engine.layer.onerow as onerow
 
@@ -64,7 +68,7 @@ def settings(model, what: str, cache=None):
 
     if what == "layer":  # A: the short decode forward (fastpath/layer.py), B: transformers' layer forward
         return (lambda: layer_forward(True)), (lambda: layer_forward(False))
-    if what == "step":  # A: the layers' one-token step in C (native.LayerStep), B: in torch (same int8 products)
+    if what == "step":  # A: the layers' one-token step in C (LayerStep), B: in torch (same int8 products)
         steps_in_c = {id(f): f.native for f in fast if isinstance(f, FastDecodeLayer)}
 
         def use(on: bool):

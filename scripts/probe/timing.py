@@ -90,9 +90,9 @@ def parts(args):
     import pqcache.engine.layer.window as window
     import pqcache.engine.methods.pqcache as method
     import pqcache.native.select as native_select
-    from pqcache import native
     from pqcache.fastpath.layer import FastDecodeLayer
     from pqcache.fastpath.lmhead import ExactArgmaxHead
+    from pqcache.native.layer import LayerStep
 
     total, calls = collections.Counter(), collections.Counter()
 
@@ -136,9 +136,11 @@ def parts(args):
         (window.DeviceWindow, "candidates"),
         (layer.PQLayer, "topk_counts"),
         (FastDecodeLayer, "step"),  # every decoder layer's step, and its C calls (fastpath/layer.py)
-        (native.LayerStep, "qkv"),
-        (native.LayerStep, "attend"),  # the sliding layers' attention
-        (native.LayerStep, "out"),
+        (LayerStep, "qkv"),
+        (LayerStep, "attend"),  # the sliding layers' attention
+        (LayerStep, "out"),
+        (LayerStep, "window_step"),  # a sliding layer's whole step in one call
+        (native_select, "pq_step"),  # a PQ layer's selection and attention in one call
         (sliding.AppendSlidingWindowLayer, "update_stored"),
         (ExactArgmaxHead, "forward"),  # the LM head
     ]:

@@ -44,30 +44,42 @@ class AppendSlidingWindowLayer(DynamicSlidingWindowLayer):
 
     def update_stored(self, key_states, value_states, *args, **kwargs):
         """`update`, its keys and values as stored (kv_dtype): views of the window where a decode step appended."""
-        if self.kv_dtype is None:
-            rule = self.kv_dtype_for
-            self.kv_dtype = key_states.dtype if rule is None else rule(key_states.dtype, key_states.device)
         Q = key_states.shape[-2]
-        if not self.is_initialized or self.record_past or Q > self.max_append:
+        taken = self.take_slots(Q, key_states.dtype, key_states.device)
+        if taken is None:
             self.buf_k = self.buf_v = self._window_k = None
             if key_states.dtype != self.kv_dtype:
                 key_states, value_states = key_states.to(self.kv_dtype), value_states.to(self.kv_dtype)
             return super().update(key_states, value_states, *args, **kwargs)
+        start, n = taken
+        self.buf_k[:, :, start : start + Q] = key_states  # rounded to kv_dtype by the copy, as .to() rounds
+        self.buf_v[:, :, start : start + Q] = value_states
+        return self.buf_k[:, :, start + Q - n : start + Q], self.buf_v[:, :, start + Q - n : start + Q]
+
+    def take_slots(self, Q: int, dtype: torch.dtype, device) -> tuple[int, int] | None:
+        """update_stored's in-place path for Q new tokens (of dtype, on device) without its copies: rows start ..
+        start + Q - 1 of buf_k and buf_v are theirs (the caller writes them: a native layer step does) -> (start, n):
+        the n rows ending there are every key they attend to (what the parent's cat would return). None where that
+        path does not apply (the parent's update then)."""
+        if self.kv_dtype is None:
+            rule = self.kv_dtype_for
+            self.kv_dtype = dtype if rule is None else rule(dtype, device)
+        if not self.is_initialized or self.record_past or Q > self.max_append:
+            return None
         keep = self.sliding_window - 1
         n = self.keys.shape[-2]  # the window held now (<= keep)
         # a new buffer when none is open, when it is full, or when anything else (the parent's update, crop,
         # reorder_cache, batch_select_indices) replaced the window since the last step
         if self.buf_k is None or self.end + Q > self.buf_k.shape[-2] or self.keys is not self._window_k:
             self._move_window(n, keep + max(SPARE, Q))
-        self.buf_k[:, :, self.end : self.end + Q] = key_states  # rounded to kv_dtype by the copy, as .to() rounds
-        self.buf_v[:, :, self.end : self.end + Q] = value_states
+        start = self.end
         self.end += Q
         self.cumulative_length += Q
         full_k = self.buf_k[:, :, self.end - n - Q : self.end]  # what the parent's cat would return
         full_v = self.buf_v[:, :, self.end - n - Q : self.end]
         self.keys, self.values = full_k[:, :, -keep:], full_v[:, :, -keep:]
         self._window_k = self.keys
-        return full_k, full_v
+        return start, n + Q
 
     def _move_window(self, n: int, capacity: int):
         """The window (n tokens) to the front of new buffers of `capacity` tokens."""
