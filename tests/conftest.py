@@ -68,6 +68,25 @@ def greedy_generate(model, ids, cache, n=6, mask=None):
     return out.sequences, torch.stack(out.scores)
 
 
+def fork_answer(model, cfg, doc, question, n: int):
+    """A document prefilled once into a PQCache, a fork of it asked `question`, then n greedy decode steps on the
+    fork: (tokens (1, n), the last step's logits, the fork)."""
+    from pqcache import PQCache  # the tiny models' helpers above need no engine
+
+    with torch.no_grad():
+        parent = PQCache(model, cfg)
+        model(doc, cache=parent)
+        parent.wait()
+        fork = parent.fork("pqcache")
+        logits = model(question, cache=fork).logits[:, -1:]
+        tokens = []
+        for _ in range(n):
+            token = logits.argmax(-1)
+            tokens.append(token)
+            logits = model(token, cache=fork).logits
+    return torch.cat(tokens, 1), logits, fork
+
+
 class WordTokenizer:
     """Whitespace tokenizer over the tiny models' vocabulary (ids 1..95)."""
 

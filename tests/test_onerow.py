@@ -11,7 +11,7 @@ import torch
 from pqcache import PQCache, PQCacheConfig
 from pqcache.engine.layer import blockcache, onerow
 
-from .conftest import greedy_generate, tiny_model
+from .conftest import fork_answer, greedy_generate, tiny_model
 
 SMALL = dict(n_init=4, kmeans_iters=5, bits=4)
 CONFIGS = {
@@ -97,18 +97,8 @@ def test_one_row_step_after_a_question_chunk_on_a_fork(monkeypatch, in_place):
     cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, **SMALL)
 
     def answer(one_row: bool):
-        with _one_row(monkeypatch, one_row) as taken, torch.no_grad():
-            parent = PQCache(model, cfg)
-            model(doc, cache=parent)
-            parent.wait()
-            fork = parent.fork("pqcache")
-            logits = model(question, cache=fork).logits[:, -1:]
-            tokens = []
-            for _ in range(8):
-                token = logits.argmax(-1)
-                tokens.append(token)
-                logits = model(token, cache=fork).logits
-        return torch.cat(tokens, 1), logits, fork, len(taken)
+        with _one_row(monkeypatch, one_row) as taken:
+            return *fork_answer(model, cfg, doc, question, 8), len(taken)
 
     tokens, logits, fork, taken = answer(True)
     ref_tokens, ref_logits, ref_fork, _ = answer(False)

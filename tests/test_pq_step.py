@@ -9,7 +9,7 @@ import torch
 from pqcache import PQCache, PQCacheConfig
 from pqcache.engine.layer import onerow
 
-from .conftest import greedy_generate, tiny_model
+from .conftest import fork_answer, greedy_generate, tiny_model
 from .test_onerow import CONFIGS, SMALL, _same_layers
 
 
@@ -64,18 +64,7 @@ def test_fused_step_on_a_fork_reads_both_parts_of_its_tier(monkeypatch):
 
     def answer(fused: bool):
         taken = _counted(monkeypatch, fused)
-        with torch.no_grad():
-            parent = PQCache(model, cfg)
-            model(doc, cache=parent)
-            parent.wait()
-            fork = parent.fork("pqcache")
-            logits = model(question, cache=fork).logits[:, -1:]
-            tokens = []
-            for _ in range(16):
-                token = logits.argmax(-1)
-                tokens.append(token)
-                logits = model(token, cache=fork).logits
-        return torch.cat(tokens, 1), logits, fork, len(taken)
+        return *fork_answer(model, cfg, doc, question, 16), len(taken)
 
     tokens, logits, fork, taken = answer(True)
     ref_tokens, ref_logits, ref_fork, ref_taken = answer(False)
