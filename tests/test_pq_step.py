@@ -92,3 +92,43 @@ def test_fused_step_keeps_the_observers_records(monkeypatch):
     assert got["blocks"] == want["blocks"] and got["bytes"] == want["bytes"]
     lanes = [(e["lane"], e["layer"]) for e in got["events"] if e["lane"] != "host clustering"]
     assert sorted(lanes) == sorted((e["lane"], e["layer"]) for e in want["events"] if e["lane"] != "host clustering")
+
+
+def _second_turn(model, cfg, fused: bool, monkeypatch):
+    """A document prefilled, its PQ built, then a user turn long enough for codebooks of its own (a second segment),
+    then 10 greedy steps -> (tokens, last logits, cache, fused steps taken)."""
+    taken = _counted(monkeypatch, fused)
+    g = torch.Generator().manual_seed(5)
+    doc, turn = torch.randint(1, 96, (1, 300), generator=g), torch.randint(1, 96, (1, 40), generator=g)
+    with torch.no_grad():
+        cache = PQCache(model, cfg)
+        model(doc, cache=cache)
+        cache.wait()
+        logits = model(turn, cache=cache).logits[:, -1:]
+        cache.wait()
+        tokens = []
+        for _ in range(10):
+            token = logits.argmax(-1)
+            tokens.append(token)
+            logits = model(token, cache=cache).logits
+    return torch.cat(tokens, 1), logits, cache, len(taken)
+
+
+@pytest.mark.parametrize("setting", ["OPQ", "a second turn's codebooks"])
+def test_an_index_the_fused_call_cannot_read_takes_the_step_call_by_call(setting, monkeypatch):
+    """pq_step.c reads one segment's centroids and the query as it is: with OPQ's rotation, or with a later turn's
+    codebooks beside the document's, no step takes it (the one-row path's ready() leaves such an index to
+    PQLayer.attend, which rotates the query and scores each segment's codes under its own centroids): the same
+    tokens and logits with FUSED on or off."""
+    model = tiny_model("llama")
+    if setting == "OPQ":
+        cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, opq=True, **SMALL)
+    else:
+        cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, turn_min_tokens=32, **SMALL)
+    tokens, logits, cache, taken = _second_turn(model, cfg, True, monkeypatch)
+    ref_tokens, ref_logits, ref_cache, _ = _second_turn(model, cfg, False, monkeypatch)
+    index = cache.pq_layers[0].method_state["index"]
+    assert index.rotations if setting == "OPQ" else len(index.segments) == 2
+    assert taken == 0
+    assert torch.equal(tokens, ref_tokens) and torch.equal(logits, ref_logits)
+    _same_layers(cache, ref_cache)

@@ -377,7 +377,8 @@ int layer_out(const Layer *L, const float *x, const float *attn, float *y) {
 /* A sliding-window layer's whole step (fastpath/layer.py): layer_qkv, the new key and value into row `slot` of the
    window's buffers k and v (Hk heads head_stride elements apart, rows of kind; rounded as torch's copy rounds),
    attention over the n rows ending at that row (attend_row's), then layer_out -> y (E,). One call instead of three
-   and the cache's two copies between them. Returns 0, or -1 without scratch memory (the buffers untouched). */
+   and the cache's two copies between them. Returns 0, or -1 without scratch memory (the row may then hold the new
+   token already). */
 int layer_window_step(const Layer *L, const float *x, const float *cos, const float *sin_signed, void *k, void *v,
                       int64_t kind, int64_t head_stride, int64_t slot, int64_t n, float scaling, float *y) {
   int64_t Hq = L->Hq, Hk = L->Hk, D = L->D, size = kv_bytes((int)kind);

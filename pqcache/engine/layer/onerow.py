@@ -30,7 +30,6 @@ from contextlib import nullcontext
 
 import torch
 
-from pqcache import native
 from pqcache.engine.layer.attention import masked_attention, query_key_dots
 from pqcache.engine.layer.probe import observe_picks
 from pqcache.engine.methods import pqcache as pq_method
@@ -148,18 +147,15 @@ def _fusable(layer, query, softcap, new_valid) -> bool:
     return (
         NATIVE_ATTENTION
         and VALUES_IN_PLACE
-        and pq_method.NATIVE_SELECT
         and softcap is None
         and layer.tally is None
         and window.blocks is None
         and bool(new_valid.view(-1)[0])
         and host.reads_in_place
-        and native.library() is not None
         and query.dtype == torch.float32
         and window.k.device.type == "cpu"
         and window.k.dtype in KV_KINDS
-        and native_select.usable(index.segments[0][1], query.shape[1] // host.H)
-        and not (index.use_tuples and host.S >= 2 * index.n_tuples and index.codes.shape[2] != 1)
+        and pq_method.searches_natively(index, query.shape[1] // host.H)
         and layer.config.gqa_combine in native_select.MODES
     )
 

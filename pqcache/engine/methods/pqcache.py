@@ -94,20 +94,29 @@ class PQCacheMethod(ScoreMethod):
 def search(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], mode: str):
     """q (B, H, R, D) scaled, cand (B, S) -> the ks[b] best candidates of each row by PQ scores: positions
     (B, H, k) and validity."""
-    S = index.host.S
-    k_max = min(max(ks), S)
-    in_c = NATIVE_SELECT and len(index.segments) == 1 and native_select.usable(index.segments[0][1], q.shape[2])
-    # one sub-space: pq_select.c works per code itself, faster than the torch per-tuple pass (0.10 against 0.24 ms a
-    # layer at 2K tokens, 0.32 against 0.36 at 8K: SmolLM2, 3 KV heads, ad hoc), and than per token in C
-    by_tuples = index.use_tuples and S >= 2 * index.n_tuples  # below that, per-tuple work costs more than it saves
-    if by_tuples and not (in_c and index.codes.shape[2] == 1):
-        return select_by_tuples(index, q, cand, ks, k_max, mode)
-    if in_c:
+    k_max = min(max(ks), index.host.S)
+    if searches_natively(index, q.shape[2]):
         q, cents = index.rotate(q, 0), index.segments[0][1]
         # (B, H, m, C, R); pq_codes.c's where q is float32 too (a step's few rows: 0.10 ms a layer less, Zen 3)
         tables = native_select.tables(q, cents) if q.dtype == torch.float32 else pq.lookup_tables(q, cents)
         return native_select.pq_top(tables, index.codes, cand, ks, k_max, mode)
+    if _by_tuples(index):
+        return select_by_tuples(index, q, cand, ks, k_max, mode)
     return select_top(approx_scores(index, q), cand, ks, k_max, mode)
+
+
+def _by_tuples(index: PQIndex) -> bool:
+    """Whether scoring each code tuple once pays: below 2 tokens a tuple, per-tuple work costs more than it saves."""
+    return index.use_tuples and index.host.S >= 2 * index.n_tuples
+
+
+def searches_natively(index: PQIndex, rows: int) -> bool:
+    """Whether search takes pq_select.c (one codebook segment, the kernels usable for `rows` query rows per KV
+    head), where torch's per-tuple pass would not serve better: with one sub-space pq_select.c works per code
+    itself, faster than that pass (0.10 against 0.24 ms a layer at 2K tokens, 0.32 against 0.36 at 8K: SmolLM2, 3 KV
+    heads, ad hoc), and than per token in C. layer/onerow.py's fused step reads the index as this path does."""
+    in_c = NATIVE_SELECT and len(index.segments) == 1 and native_select.usable(index.segments[0][1], rows)
+    return in_c and (not _by_tuples(index) or index.codes.shape[2] == 1)
 
 
 def first_stage_counts(view) -> list[int]:
