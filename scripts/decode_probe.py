@@ -14,6 +14,7 @@ python scripts/decode_probe.py ab --seq-len 32768 --what values        # picks' 
 python scripts/decode_probe.py ab --seq-len 32768 --what select        # PQ search and re-rank's top-k in C vs torch
 python scripts/decode_probe.py ab --seq-len 32768 --what pqstep        # PQ selection, attention: one C call vs several
 python scripts/decode_probe.py ab --seq-len 32768 --what window        # sliding layer's step: one C call vs three
+python scripts/decode_probe.py ab --seq-len 32768 --what file          # new token filed in pq_step or alone
 python scripts/decode_probe.py ab --seq-len 32768 --what attention     # PQ layers' attention in one C call vs torch
 python scripts/decode_probe.py ab --seq-len 32768 --what scores        # re-rank scores for the picks vs their keys
 python scripts/decode_probe.py ab --seq-len 8192 --what blocks         # a 1024-token block cache vs none (CPU default)
@@ -54,7 +55,7 @@ def main():
     p.add_argument(
         "--what",
         choices=["threads", "fused", "layer", "int4", "scores", "blocks", "budget", "onerow", "int8", "native"]
-        + ["lmhead", "step", "values", "select", "attention", "pqstep", "window"],
+        + ["lmhead", "step", "values", "select", "attention", "pqstep", "window", "file"],
         default="threads",
         help="ab: what A and B differ in",
     )

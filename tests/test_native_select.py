@@ -13,6 +13,7 @@ from pqcache.engine import pq
 from pqcache.engine.layer import onerow
 from pqcache.engine.methods import pqcache as method
 from pqcache.engine.methods.base import combine_rows, select_top, topk_positions
+from pqcache.native import pq_step as native_step
 from pqcache.native import select
 
 from .conftest import greedy_generate, tiny_model
@@ -124,20 +125,20 @@ def test_the_selection_does_not_depend_on_the_thread_count():
     assert torch.equal(picks[0], picks[1]) and torch.equal(picks[0], picks[2])
 
 
-@pytest.mark.parametrize("fused", [False, True])  # call by call (select.pq_top), or one C call (select.pq_step)
+@pytest.mark.parametrize("fused", [False, True])  # call by call (select.pq_top), or one C call (native/pq_step)
 @pytest.mark.parametrize("m, bits", [(4, 6), (1, 4)])  # (1, 4): the per-code combine, against torch's by tuples
 def test_a_decode_with_the_native_selection_keeps_torchs_tokens_and_picks(arch, monkeypatch, m, bits, fused):
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
     cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, n_init=4, kmeans_iters=5, m=m, bits=bits)
     monkeypatch.setattr(onerow, "FUSED", fused)
-    name = "pq_step" if fused else "pq_top"
-    taken, real = [], getattr(select, name)
+    owner, name = (native_step, "pq_step") if fused else (select, "pq_top")
+    taken, real = [], getattr(owner, name)
 
     def counted(*args, **kwargs):
         taken.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(select, name, counted)
+    monkeypatch.setattr(owner, name, counted)
     runs, model = [], tiny_model(arch)
     for native_select in (True, False):
         monkeypatch.setattr(method, "NATIVE_SELECT", native_select)

@@ -59,10 +59,15 @@ def _same_layers(a, b):
         assert torch.equal(x.host.searchable[:, :S], y.host.searchable[:, :S])
         ix, iy = x.method_state["index"], y.method_state["index"]
         assert torch.equal(ix.codes[..., :S], iy.codes[..., :S])
+        assert (ix.joint is None) == (iy.joint is None)
+        assert ix.joint is None or torch.equal(ix.joint[..., :S], iy.joint[..., :S])
         assert ix.generated == iy.generated
         assert x.counters == y.counters
         assert x.window.n_real == y.window.n_real
         assert torch.equal(x.window.slot_pos, y.window.slot_pos)
+        ring = x.window.n_init + x.window.L  # the sinks' and ring's slots: what the next step attends to
+        assert torch.equal(x.window.k[:, :, :ring], y.window.k[:, :, :ring])
+        assert torch.equal(x.window.v[:, :, :ring], y.window.v[:, :, :ring])
         for got, want in zip(x.last_selection, y.last_selection, strict=True):
             assert torch.equal(got, want)
 

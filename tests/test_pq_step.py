@@ -1,4 +1,4 @@
-"""A PQ layer's one-row step in one C call (native/select.pq_step, pq_step.c) against the same step call by call
+"""A PQ layer's one-row step in one C call (native/pq_step.py, pq_step.c) against the same step call by call
 (layer/onerow.py's search, rerank_exact and attend_picks): the same kernels on the same numbers, so the same tokens,
 bit-identical scores, the same picks, tiers, codes and counters; on a fork (the app's shape: a document's tier
 shared, the answer's own) and under the app's kind of observer too."""
@@ -51,6 +51,24 @@ def test_fused_step_equals_the_step_call_by_call(arch, setting, monkeypatch):
     _same_layers(cache, ref_cache)
     picks = cache.pq_layers[0].last_selection[1].sum()
     assert 0 < picks < 300 // 4  # a real selection: a part of the middle tokens
+
+
+@pytest.mark.parametrize("kv_dtype", ["float32", "bfloat16"])
+def test_fused_step_files_the_token_at_every_kv_dtype(kv_dtype, monkeypatch):
+    """The fused step files each new token in C (pq_append): its rows rounded to the host tier's and the window's
+    kind as torch's copy rounds them, its codes and its code tuple's row in the joint index (m=2, 4 bits: 256
+    tuples) as the call-by-call step's index.append writes them. float16, the CPU's default, is run above."""
+    model = tiny_model("qwen2")
+    ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(13))
+    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, m=2, kv_dtype=kv_dtype, **SMALL)
+    seq, scores, cache, taken, _ = _greedy(model, ids, cfg, True, monkeypatch)
+    ref_seq, ref_scores, ref_cache, _, _ = _greedy(model, ids, cfg, False, monkeypatch)
+    layer = cache.pq_layers[0]
+    assert layer.host.own_k.dtype == layer.window.k.dtype == getattr(torch, kv_dtype)
+    assert layer.method_state["index"].joint is not None
+    assert taken == 11 * len(cache.pq_layers)
+    assert torch.equal(seq, ref_seq) and torch.equal(scores, ref_scores)
+    _same_layers(cache, ref_cache)
 
 
 def test_fused_step_on_a_fork_reads_both_parts_of_its_tier(monkeypatch):

@@ -8,8 +8,6 @@ in position order, the rest of its k_max slots are position 0 and not valid."""
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from pqcache import native
@@ -141,61 +139,3 @@ def attend_picks(q, keys, values, n: int, scaling: float, picks, stores, weights
     if native.library().attend_picks(*args):
         raise MemoryError("attend_picks: no scratch memory")
     return (out, received) if weights else out
-
-
-class _Index(ctypes.Structure):
-    """pq_step.c's Index: a layer's centroids (Hk, m, C, d) and codes, by address."""
-
-    _fields_ = [("centroids", ctypes.c_void_p), ("codes", ctypes.c_void_p)]
-    _fields_ += [(name, ctypes.c_int64) for name in ("m", "C", "code_head", "code_sub")]
-
-
-class _Stores(ctypes.Structure):
-    """pq_step.c's Stores: the host tier's key and value rows, a fork's parent part and its own, by address."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in ("shared_k", "shared_v", "own_k", "own_v")]
-    _fields_ += [(name, ctypes.c_int64) for name in ("shared_head", "own_head", "S0", "kind")]
-
-
-def pq_step(q, scaling: float, index: tuple, cand, wide: int, k: int, mode: str, stores: tuple, window: tuple):
-    """A PQ layer's selection and attention for one token in one C call (pq_step.c): pq_top's search for `wide`
-    candidates, the re-rank's exact scores and combined_top's k picks, then attend_picks, with the same kernels.
-
-    q (Hq, D) float32, the query rows unscaled. index: (centroids (Hk, m, C, d) float32, codes (Hk, m, S') uint8).
-    cand (n,) bool: the candidates among tokens 0..n-1, at least `wide` of them, and k < wide. stores: (shared_k,
-    shared_v, S0, own_k, own_v), the host tier's rows (Hk, rows, D) of one kind of native.KV_KINDS (shared None
-    when not a fork, own None when the tier has none yet). window: (keys, values, n), the window's buffer (Hk, N,
-    D) of one kind and the slots attended -> the picks' positions (Hk, k) in position order and the output
-    (1, Hq * D)."""
-    centroids, codes = index
-    shared_k, shared_v, S0, own_k, own_v = stores
-    keys, values, n_slots = window
-    Hq, D = q.shape
-    Hk = keys.shape[0]
-    parts = [t for t in (shared_k, shared_v, own_k, own_v) if t is not None]
-    kind = parts[0].dtype
-    if any(t.dtype != kind or t.stride()[1:] != (D, 1) for t in parts) or keys.stride() != values.stride():
-        raise ValueError("pq_step: the stores' rows must be of one kind, the window's keys and values alike")
-    if codes.dtype != torch.uint8 or codes.stride(-1) != 1 or centroids.dtype != torch.float32:
-        raise ValueError(f"pq_step: codes {codes.dtype}, centroids {centroids.dtype}")
-    stored = S0 + (0 if own_k is None else own_k.shape[1])
-    if not 0 < k < wide <= cand.shape[0] <= min(codes.shape[-1], stored) or q.dtype != torch.float32:
-        raise ValueError(f"pq_step: k {k}, wide {wide}, {cand.shape[0]} tokens, q {q.dtype}")
-    q, centroids, cand = q.contiguous(), centroids.contiguous(), cand.contiguous()
-    _, m, C, _ = centroids.shape
-    X = _Index(centroids.data_ptr(), codes.data_ptr(), m, C, codes.stride(0), codes.stride(1))
-
-    def address(t):
-        return 0 if t is None else t.data_ptr()
-
-    heads = [t.stride(0) if t is not None else 0 for t in (shared_k, shared_v, own_k, own_v)]
-    if heads[0] != heads[1] or heads[2] != heads[3]:
-        raise ValueError("pq_step: keys and values of a store must lie alike")
-    S = _Stores(*map(address, (shared_k, shared_v, own_k, own_v)), heads[0], heads[2], S0, native.KV_KINDS[kind])
-    pos = torch.empty((Hk, k), dtype=torch.int64)
-    out = torch.empty(1, Hq * D)
-    args = (q.data_ptr(), Hq, Hk, D, scaling, ctypes.byref(X), cand.data_ptr(), cand.shape[0], MODES[mode], wide, k)
-    args += (ctypes.byref(S), keys.data_ptr(), values.data_ptr(), native.KV_KINDS[keys.dtype], keys.stride(0), n_slots)
-    if native.library().pq_step(*args, pos.data_ptr(), out.data_ptr()):
-        raise MemoryError("pq_step: no scratch memory")
-    return pos, out

@@ -31,6 +31,8 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.pq_encode.argtypes = [pointer, pointer, pointer, size, size, size, pointer, size]
     lib.pq_step.restype = ctypes.c_int
     lib.pq_step.argtypes = [pointer] + [size] * 3 + [ctypes.c_float, pointer, pointer, size, ctypes.c_int, size, size]
-    lib.pq_step.argtypes += [pointer] * 3 + [size] * 3 + [pointer] * 2
+    lib.pq_step.argtypes += [pointer] * 3 + [size] * 3 + [pointer] * 5 + [size, pointer]
+    lib.pq_append.restype = None
+    lib.pq_append.argtypes = [pointer] * 2 + [size] * 2 + [pointer] * 2 + [size, pointer]
     lib.layer_window_step.restype = ctypes.c_int
     lib.layer_window_step.argtypes = [pointer] * 6 + [size] * 4 + [ctypes.c_float, pointer]

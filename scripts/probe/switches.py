@@ -38,6 +38,10 @@ def settings(model, what: str, cache=None):
         import pqcache.engine.layer.onerow as onerow
 
         return switch(onerow, "FUSED", True, False)
+    if what == "file":  # A: the fused step files its new token in its own C call (pq_step), B: in a call of its own
+        import pqcache.engine.layer.onerow as onerow
+
+        return switch(onerow, "FILE_IN_STEP", True, False)
     if what == "window":  # A: a sliding layer's step in one C call (layer_window_step), B: three and the copies
         import pqcache.fastpath.layer as fast_layer
 

@@ -89,6 +89,7 @@ def parts(args):
     import pqcache.engine.layer.sliding as sliding
     import pqcache.engine.layer.window as window
     import pqcache.engine.methods.pqcache as method
+    import pqcache.native.pq_step as native_step
     import pqcache.native.select as native_select
     from pqcache.fastpath.layer import FastDecodeLayer
     from pqcache.fastpath.lmhead import ExactArgmaxHead
@@ -140,7 +141,7 @@ def parts(args):
         (LayerStep, "attend"),  # the sliding layers' attention
         (LayerStep, "out"),
         (LayerStep, "window_step"),  # a sliding layer's whole step in one call
-        (native_select, "pq_step"),  # a PQ layer's selection and attention in one call
+        (native_step, "pq_step"),  # a PQ layer's selection and attention in one call
         (sliding.AppendSlidingWindowLayer, "update_stored"),
         (ExactArgmaxHead, "forward"),  # the LM head
     ]:

@@ -78,40 +78,8 @@ class PQIndex:
         self.builds.submit(self.build, start, end, iters, kind)
 
     def build(self, start: int, end: int, iters: int, kind: str) -> dict:
-        """K-Means over the searchable tokens of [start, end) of each row; codes for [start, end)."""
-        t0 = time.perf_counter()
-        host, cfg = self.host, self.config
-        with self._span("host clustering"):
-            # (B, H, n, D) on the host as stored: each sub-space is widened alone (train_centroids), each block of
-            # tokens as it is coded (pq.encode), never all of the keys at once
-            keys = host.keys(start, end, dtype=host.dtype)
-            m, C, d = cfg.m, self.C, host.D // cfg.m
-            cents = torch.empty((host.B, host.H, m, C, d), dtype=torch.float32)
-            rotation = torch.empty((host.B, host.H, host.D, host.D)) if cfg.opq else None
-            searchable = host.searchable[:, start:end].cpu()
-            for b in range(host.B):
-                rows = searchable[b].nonzero().squeeze(1)
-                for h in range(host.H):
-                    if self.closed.is_set():  # the cache was closed (stop, session freed): drop the work
-                        raise Cancelled("the cache was closed")
-                    x = keys[b, h, rows]
-                    if rotation is not None:  # OPQ: rotate so that the sub-spaces quantize best
-                        rotation[b, h] = pq.train_rotation(x, m, self.bits, iters, cfg.seed + 97 * h)
-                        x = x.float() @ rotation[b, h].T
-                    cents[b, h] = pq.train_centroids(x, m, C, iters, cfg.metric, cfg.seed + 97 * h)
-            if rotation is not None:
-                keys = keys.float() @ rotation.transpose(-1, -2)
-            cents = cents.to(self.device)
-            codes = pq.encode(keys.to(self.device), cents, cfg.metric)
-        return {
-            "kind": kind,
-            "start": start,
-            "end": end,
-            "centroids": cents,
-            "codes": codes,
-            "rotation": rotation,
-            "seconds": time.perf_counter() - t0,
-        }
+        """K-Means over the searchable tokens of [start, end) of each row; codes for [start, end) (on the worker)."""
+        return train(self, start, end, iters, kind)
 
     def poll(self, block: bool, stop=None):
         """Install finished builds (block: wait for all). Raises BuildFault for a build that raised
@@ -148,7 +116,7 @@ class PQIndex:
     def set_codes(self, start: int, end: int, codes: torch.Tensor):
         """codes (B, H, m, end - start) uint8 -> the code buffer, and the joint index when used:
         joint = (b*H + h) * C^m + sum_j code_j * C^(m-1-j), the row of the token's code tuple."""
-        self._reserve(end)
+        self.reserve(end)
         self.codes[..., start:end] = codes
         if self.joint is None:
             return
@@ -159,7 +127,8 @@ class PQIndex:
         base = torch.arange(self.host.B * self.host.H, device=self.device, dtype=torch.int32) * self.n_tuples
         self.joint[..., start:end] = j + base.view(self.host.B, self.host.H, 1)
 
-    def _reserve(self, n: int):
+    def reserve(self, n: int):
+        """Room for codes (and the joint index) of n positions."""
         cap = self.codes.shape[-1]
         if n <= cap:
             return
@@ -175,9 +144,15 @@ class PQIndex:
     def append(self, start: int, k_new: torch.Tensor):
         """Tokens just stored at [start, start + Q): coded with the newest codebook; a long chunk (a
         new user turn) gets its own K-Means, every `rebuild_every` decoded tokens everything is re-clustered."""
-        Q, cfg = k_new.shape[2], self.config
+        Q = k_new.shape[2]
         if self.segments:
             self.set_codes(start, start + Q, self.encode(k_new))
+        self.appended(start, Q)
+
+    def appended(self, start: int, Q: int):
+        """Q tokens at [start, start + Q) stored and coded (append's last part, which layer/onerow.py's filing of
+        a token in C calls): a new turn's K-Means, or a decoded token counted towards the next rebuild."""
+        cfg = self.config
         if Q >= cfg.turn_min_tokens:
             self.submit(start, start + Q, kind="turn")
         elif Q == 1:
@@ -188,9 +163,15 @@ class PQIndex:
     def encode(self, keys: torch.Tensor) -> torch.Tensor:
         """Codes (B, H, m, n) of keys (B, H, n, D) under the newest segment's codebook (and rotation)."""
         start, cents = self.segments[-1]
-        if self._half_norms[0] is not cents:  # kept per codebook: a decode step codes one key against all of them
+        return _encode(self.rotate(keys, start), cents, self.config.metric, self.half_norms())
+
+    def half_norms(self) -> torch.Tensor:
+        """|c|^2 / 2 (B, H, m, C) of the newest segment's centroids c, kept per codebook: a decode step codes one
+        key against all of them."""
+        cents = self.segments[-1][1]
+        if self._half_norms[0] is not cents:
             self._half_norms = (cents, pq.centroid_half_norms(cents))
-        return _encode(self.rotate(keys, start), cents, self.config.metric, self._half_norms[1])
+        return self._half_norms[1]
 
     def rotate(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """Keys or queries (B, H, n, D) in the coordinates of the segment starting at `start`: R x with
@@ -228,6 +209,45 @@ class PQIndex:
         B, H, S = self.host.B, self.host.H, self.host.S
         cfg = self.config
         return B * H * (cfg.m * S + len(self.segments or [0]) * self.C * self.host.D * 4)
+
+
+def train(index: PQIndex, start: int, end: int, iters: int, kind: str) -> dict:
+    """PQIndex.build: the K-Means of index's codebooks over the searchable tokens of [start, end) of each row, and
+    their codes -> the result PQIndex.install puts in place. Runs on the cache's executor: it reads the host tier
+    and changes nothing the decoding thread reads."""
+    t0 = time.perf_counter()
+    host, cfg = index.host, index.config
+    with index._span("host clustering"):
+        # (B, H, n, D) on the host as stored: each sub-space is widened alone (train_centroids), each block of
+        # tokens as it is coded (pq.encode), never all of the keys at once
+        keys = host.keys(start, end, dtype=host.dtype)
+        m, C, d = cfg.m, index.C, host.D // cfg.m
+        cents = torch.empty((host.B, host.H, m, C, d), dtype=torch.float32)
+        rotation = torch.empty((host.B, host.H, host.D, host.D)) if cfg.opq else None
+        searchable = host.searchable[:, start:end].cpu()
+        for b in range(host.B):
+            rows = searchable[b].nonzero().squeeze(1)
+            for h in range(host.H):
+                if index.closed.is_set():  # the cache was closed (stop, session freed): drop the work
+                    raise Cancelled("the cache was closed")
+                x = keys[b, h, rows]
+                if rotation is not None:  # OPQ: rotate so that the sub-spaces quantize best
+                    rotation[b, h] = pq.train_rotation(x, m, index.bits, iters, cfg.seed + 97 * h)
+                    x = x.float() @ rotation[b, h].T
+                cents[b, h] = pq.train_centroids(x, m, C, iters, cfg.metric, cfg.seed + 97 * h)
+        if rotation is not None:
+            keys = keys.float() @ rotation.transpose(-1, -2)
+        cents = cents.to(index.device)
+        codes = pq.encode(keys.to(index.device), cents, cfg.metric)
+    return {
+        "kind": kind,
+        "start": start,
+        "end": end,
+        "centroids": cents,
+        "codes": codes,
+        "rotation": rotation,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 def _encode(keys: torch.Tensor, cents: torch.Tensor, metric: str, half_norms: torch.Tensor) -> torch.Tensor:

@@ -22,6 +22,8 @@ window's part and the new token's are added; on a CPU the whole attention is one
 the window's scores, one softmax with the re-rank's scores, the weighted sums). The same softmax, another summation
 order: within float32 rounding of PQLayer.attend's output, the same picks (tests/test_onerow.py). Then the timeline
 shows no copy of the picks to the device (none happens); the block cache's admissions are copies, and shown.
+Where nothing is recorded per token and no block cache keeps books, the selection joins it in that call, and the new
+token is filed there too (_fused: native/pq_step.py); the tiers, codes and counters are those _append leaves.
 """
 
 from __future__ import annotations
@@ -36,11 +38,13 @@ from pqcache.engine.methods import pqcache as pq_method
 from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
 from pqcache.engine.sources import add_weights
 from pqcache.native import KV_KINDS
+from pqcache.native import pq_step as native_step
 from pqcache.native import select as native_select
 
 VALUES_IN_PLACE = True  # the picks' values read in place (the tests switch it off to compare with the general step)
 NATIVE_ATTENTION = True  # ...and the whole attention in one C call (native/select.attend_picks) on a CPU
-FUSED = True  # ...and with it the selection, in the same C call (native/select.pq_step), where nothing is recorded
+FUSED = True  # ...and with it the selection, in the same C call (native/pq_step), where nothing is recorded
+FILE_IN_STEP = True  # ...and the new token filed in that call too (off: in a call of its own, as under an observer)
 ONE = torch.ones((1, 1), dtype=torch.bool)  # a real new token's flag
 
 
@@ -140,7 +144,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
 
 
 def _fusable(layer, query, softcap, new_valid) -> bool:
-    """Whether the step's selection and attention can be one C call (native/select.pq_step): the kernels the
+    """Whether the step's selection and attention can be one C call (native/pq_step): the kernels the
     steps below call one by one, on the same operands (methods/pqcache.search's and rerank_exact's native paths,
     _attend_in_place's), with nothing recorded per token and no block cache to keep books for."""
     host, window, index = layer.host, layer.window, layer.method_state["index"]
@@ -161,31 +165,70 @@ def _fusable(layer, query, softcap, new_valid) -> bool:
 
 
 def _fused(layer, state, index, query, cand, counts, k_new, v_new, scaling: float) -> torch.Tensor:
-    """attend's step in one C call (native/select.pq_step) for k picks re-ranked from `wide` PQ candidates
-    (counts = (k, wide)) -> (1, 1, Hq, D); its books (selection, counters, an observer's records) as attend keeps
-    them."""
+    """attend's step in one C call (native/pq_step.pq_step) for k picks re-ranked from `wide` PQ candidates
+    (counts = (k, wide)) -> (1, 1, Hq, D); the new token filed in the same call (under an observer, in a call of
+    its own, timed as _store's copy is), and the step's books (selection, counters, an observer's records) as
+    attend keeps them."""
     host, window = layer.host, layer.window
-    k, wide = counts
     _, Hq, _, D = query.shape
     H = host.H
     lo = window.n_init + window.L
     window.ensure(0, 1)  # the new token goes into the buffer's first free slot, after the sinks and ring
-    window.k[:, :, lo], window.v[:, :, lo] = k_new[:, :, 0], v_new[:, :, 0]
+    observed = layer.obs is not None
+    alone = observed or not FILE_IN_STEP
+    token = None if alone else _token(layer, index)  # (the room it makes may move the stores: first)
     host.sync()
     S0, own = host.S0, host.own_k is not None
     stores = (host.shared_k[0] if S0 else None, host.shared_v[0] if S0 else None, S0)
     stores += (host.own_k[0, :, : host.S - S0] if own else None, host.own_v[0, :, : host.S - S0] if own else None)
-    idx = (index.segments[0][1][0], index.codes[0])
-    slots = (window.k[0], window.v[0], lo + 1)
-    top, out = native_select.pq_step(
-        query.reshape(Hq, D), scaling, idx, cand, wide, k, layer.config.gqa_combine, stores, slots
-    )
+    new = (k_new[0, :, 0], v_new[0, :, 0])
+    slots = (window.k[0], window.v[0], lo + 1, *new)
+    args = (query.reshape(Hq, D), scaling, _index(index), cand, counts, layer.config.gqa_combine, stores, slots)
+    top, out = native_step.pq_step(*args, token)
     top = top[None]  # (1, H, k): every pick valid (a candidate, in the re-rank's k)
     top_valid = torch.ones_like(top, dtype=torch.bool)
-    moved = window.moved(torch.zeros_like(top_valid), top_valid, False, 0)  # no block cache: every pick read here
-    if layer.obs is not None:
+    moved = window.counted(0, top.numel(), top.numel(), False, 0)  # no block cache: every pick read in the host tier
+    if observed:
         observe_picks(layer, query.reshape(1, H, Hq // H, D), scaling, top, top_valid, moved)
-    return _append(layer, state, index, top, top_valid, moved, k_new, v_new, ONE, out.view(1, 1, Hq, D))
+    if alone:
+        with layer.span("copy to host"):  # the span _store's copy has (the codes and ring slot are in it too)
+            native_step.pq_append(new, _index(index), _token(layer, index))
+    if observed:
+        layer.obs.moved("to_host", 2 * k_new.numel() * k_new.element_size())
+    _filed(layer, index)
+    layer.last_selection = (top, top_valid)
+    layer.counters["misses"] += moved["misses"]  # and no hits: no block cache
+    layer.counters["steps"] += 1
+    return out.view(1, 1, Hq, D)
+
+
+def _index(index) -> tuple:
+    """The index as native/pq_step reads it: (centroids (H, m, C, d), codes (H, m, S'), joint (H, S') or None)."""
+    return index.segments[0][1][0], index.codes[0], None if index.joint is None else index.joint[0]
+
+
+def _token(layer, index) -> tuple:
+    """Room for the new token at position t = host.S, and where it goes (native/pq_step.pq_append's token): the
+    host tier's own rows, the ring slot of the oldest ring token (ring_write's for one token), its flags."""
+    host, window = layer.host, layer.window
+    t = host.S
+    host.reserve(t + 1)
+    index.reserve(t + 1)
+    slot = t % window.L
+    rows = (host.own_k[0, :, t - host.S0], host.own_v[0, :, t - host.S0])
+    rows += (window.k[0, :, window.n_init + slot], window.v[0, :, window.n_init + slot])
+    flags = (host.valid[0, t], host.searchable[0, t], window.slot_pos[slot])
+    half_norm = None if index.config.metric == "ip" else index.half_norms()[0]
+    return half_norm, t, rows, flags
+
+
+def _filed(layer, index):
+    """The counts kept in Python once the new token is filed: the tier's length, the ring's real tokens, the index's
+    decoded tokens (and a rebuild when they are due)."""
+    t = layer.host.S
+    layer.host.S += 1
+    layer.window.n_real[0] += 1
+    index.appended(t, 1)
 
 
 def _attend_in_place(layer, q, lo: int, picks, k_new, v_new, new_valid, scaling: float) -> torch.Tensor:

@@ -160,8 +160,13 @@ class DeviceWindow:
         """A step's fetch in figures: hits, misses and bytes to the device (every pick slot not served by the
         block cache, its value and, keys=True, its key; then the blocks admitted)."""
         hits = int(hit.sum())  # hit is within valid
-        moved = (2 if keys else 1) * (hit.numel() - hits) * self.host.D * self.k.element_size() + admitted
-        return {"hits": hits, "misses": int(valid.sum()) - hits, "moved": moved}
+        return self.counted(hits, int(valid.sum()) - hits, hit.numel() - hits, keys, admitted)
+
+    def counted(self, hits: int, misses: int, fetched: int, keys: bool, admitted: int) -> dict:
+        """moved()'s figures from counts (a step that knows them without tensors: layer/onerow.py's fused one):
+        `fetched` pick slots not served by the block cache, each its value and, keys=True, its key."""
+        moved = (2 if keys else 1) * fetched * self.host.D * self.k.element_size() + admitted
+        return {"hits": hits, "misses": misses, "moved": moved}
 
     def assemble(self, top_valid: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, new_valid: torch.Tensor):
         """Write the Q new tokens after the k fetched ones -> keys, values (B, H, N, D) and the mask

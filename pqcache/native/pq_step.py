@@ -1,0 +1,140 @@
+"""A PQ layer's decode step for one token in one C call (pq_step.c): the selection and attention, then the new token
+filed; and the filing alone (pq_append). Tensors in, tensors out; layer/onerow.py decides when to use them."""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from pqcache import native
+from pqcache.native.select import MODES
+
+
+class _Index(ctypes.Structure):
+    """pq_step.c's Index: a layer's centroids (Hk, m, C, d) and codes, by address."""
+
+    _fields_ = [("centroids", ctypes.c_void_p), ("codes", ctypes.c_void_p)]
+    _fields_ += [(name, ctypes.c_int64) for name in ("m", "C", "code_head", "code_sub")]
+
+
+class _Stores(ctypes.Structure):
+    """pq_step.c's Stores: the host tier's key and value rows, a fork's parent part and its own, by address."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("shared_k", "shared_v", "own_k", "own_v")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("shared_head", "own_head", "S0", "kind")]
+
+
+class _Token(ctypes.Structure):
+    """pq_step.c's Token: where a decode step's new token goes, by address."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("own_k", "own_v", "ring_k", "ring_v", "valid", "searchable")]
+    _fields_ += [("slot_pos", ctypes.c_void_p), ("joint", ctypes.c_void_p)]
+    _fields_ += [(name, ctypes.c_int64) for name in ("own_head", "own_kind", "ring_head", "ring_kind", "joint_head")]
+
+
+def pq_step(q, scaling: float, index: tuple, cand, counts: tuple, mode: str, stores: tuple, window: tuple, token=None):
+    """A PQ layer's selection and attention for one token in one C call: pq_top's search for `wide` candidates, the
+    re-rank's exact scores and combined_top's k picks (counts = (k, wide)), then attend_picks, with the same kernels
+    (native/select.py); where token is given, the new token is then filed as pq_append files it.
+
+    q (Hq, D) float32, the query rows unscaled. index: (centroids (Hk, m, C, d) float32, codes (Hk, m, S') uint8,
+    joint (Hk, S') int32 or None). cand (n,) bool: the candidates among tokens 0..n-1, at least `wide` of them, and
+    k < wide. stores: (shared_k, shared_v, S0, own_k, own_v), the host tier's rows (Hk, rows, D) of one kind of
+    native.KV_KINDS (shared None when not a fork, own None when the tier has none yet). window: (keys, values, n,
+    k_new, v_new): the window's buffer (Hk, N, D) of one kind, its first n slots attended, the last of them the new
+    token's, written here from k_new, v_new (Hk, D) float32 -> the picks' positions (Hk, k) in position order and
+    the output (1, Hq * D)."""
+    k, wide = counts
+    shared_k, shared_v, S0, own_k, own_v = stores
+    keys, values, n_slots, k_new, v_new = window
+    Hq, D = q.shape
+    Hk = keys.shape[0]
+    parts = [t for t in (shared_k, shared_v, own_k, own_v) if t is not None]
+    kind = parts[0].dtype
+    if any(t.dtype != kind or t.stride()[1:] != (D, 1) for t in parts) or keys.stride() != values.stride():
+        raise ValueError("pq_step: the stores' rows must be of one kind, the window's keys and values alike")
+    if keys.dtype not in native.KV_KINDS or keys.stride(2) != 1 or not 0 < n_slots <= keys.shape[1]:
+        raise ValueError(f"pq_step: a window of {keys.dtype} {tuple(keys.shape)}, {n_slots} slots attended")
+    codes = index[1]
+    stored = S0 + (0 if own_k is None else own_k.shape[1])
+    if not 0 < k < wide <= cand.shape[0] <= min(codes.shape[-1], stored) or q.dtype != torch.float32:
+        raise ValueError(f"pq_step: k {k}, wide {wide}, {cand.shape[0]} tokens, q {q.dtype}")
+    X, keep = _index(index, D)
+    q, cand, new = q.contiguous(), cand.contiguous(), _rows(k_new, v_new, Hk, D)
+
+    def address(t):
+        return 0 if t is None else t.data_ptr()
+
+    heads = [t.stride(0) if t is not None else 0 for t in (shared_k, shared_v, own_k, own_v)]
+    if heads[0] != heads[1] or heads[2] != heads[3]:
+        raise ValueError("pq_step: keys and values of a store must lie alike")
+    S = _Stores(*map(address, (shared_k, shared_v, own_k, own_v)), heads[0], heads[2], S0, native.KV_KINDS[kind])
+    T, norms, t = _token(token, index, Hk, D) if token is not None else (None, None, 0)
+    pos = torch.empty((Hk, k), dtype=torch.int64)
+    out = torch.empty(1, Hq * D)
+    args = (q.data_ptr(), Hq, Hk, D, scaling, ctypes.byref(X), cand.data_ptr(), cand.shape[0], MODES[mode], wide, k)
+    args += (ctypes.byref(S), keys.data_ptr(), values.data_ptr(), native.KV_KINDS[keys.dtype], keys.stride(0), n_slots)
+    args += (pos.data_ptr(), out.data_ptr(), new[0].data_ptr(), new[1].data_ptr(), address(norms), t)
+    if native.library().pq_step(*args, None if T is None else ctypes.byref(T)):
+        raise MemoryError("pq_step: no scratch memory")
+    del keep  # the centroids the C call read (a copy where they were not contiguous)
+    return pos, out
+
+
+def pq_append(new: tuple, index: tuple, token: tuple):
+    """A decode step's new token filed in one C call, as layer/onerow.py's _append files it: new = (k, v) (Hk, D)
+    float32; index as pq_step's; token: (half_norm, t, rows, flags): half_norm (Hk, m, C) float32 of the centroids
+    (None: the inner-product metric), the codes written at position t; rows (own_k, own_v, ring_k, ring_v): the
+    (Hk, D) rows the token's key and value go to, views of the host tier's own store and of the window's ring slot,
+    each of one kind of native.KV_KINDS (keys and values alike); flags (valid, searchable, slot_pos): one-element
+    views set to True, True and t."""
+    Hk, D = new[0].shape
+    X, keep = _index(index, D)
+    k, v = _rows(*new, Hk, D)
+    T, norms, t = _token(token, index, Hk, D)
+    address = 0 if norms is None else norms.data_ptr()
+    native.library().pq_append(k.data_ptr(), v.data_ptr(), Hk, D, ctypes.byref(X), address, t, ctypes.byref(T))
+    del keep
+
+
+def _index(index: tuple, D: int):
+    """(centroids, codes, joint) -> the C Index and the tensors it points into (kept alive by the caller)."""
+    centroids, codes, _ = index
+    if codes.dtype != torch.uint8 or codes.stride(-1) != 1 or centroids.dtype != torch.float32:
+        raise ValueError(f"pq_step: codes {codes.dtype}, centroids {centroids.dtype}")
+    centroids = centroids.contiguous()
+    _, m, C, d = centroids.shape
+    if m * d != D or codes.shape[:2] != (centroids.shape[0], m):
+        raise ValueError(f"pq_step: centroids {tuple(centroids.shape)}, codes {tuple(codes.shape)} for rows of {D}")
+    return _Index(centroids.data_ptr(), codes.data_ptr(), m, C, codes.stride(0), codes.stride(1)), centroids
+
+
+def _rows(k, v, Hk: int, D: int):
+    if k.shape != (Hk, D) or v.shape != (Hk, D):
+        raise ValueError(f"pq_step: a new token of {tuple(k.shape)}, {tuple(v.shape)}, not ({Hk}, {D})")
+    return k.float().contiguous(), v.float().contiguous()
+
+
+def _token(token: tuple, index: tuple, Hk: int, D: int):
+    """pq_append's token tuple -> the C Token, the half norms (contiguous: the caller keeps them alive) and t."""
+    half_norm, t, rows, flags = token
+    codes, joint = index[1], index[2]
+    own_k, own_v, ring_k, ring_v = rows
+    valid, searchable, slot_pos = flags
+    for a, b in ((own_k, own_v), (ring_k, ring_v)):
+        if a.dtype != b.dtype or a.dtype not in native.KV_KINDS or a.stride() != b.stride() or a.shape != (Hk, D):
+            raise ValueError("pq_append: each store's key and value rows (Hk, D) of one kind, lying alike")
+        if a.stride(1) != 1:
+            raise ValueError("pq_append: rows of D elements")
+    if not t < codes.shape[-1] or (valid.dtype, searchable.dtype, slot_pos.dtype) != (torch.bool,) * 2 + (torch.int64,):
+        raise ValueError(f"pq_append: position {t} of {codes.shape[-1]} coded; flags (bool, bool, int64)")
+    if joint is not None and (joint.dtype != torch.int32 or joint.stride(-1) != 1 or not t < joint.shape[-1]):
+        raise ValueError(f"pq_append: a joint index of {joint.dtype}, {tuple(joint.shape)}")
+    if half_norm is not None:
+        half_norm = half_norm.contiguous()
+    T = _Token(*(x.data_ptr() for x in (own_k, own_v, ring_k, ring_v, valid, searchable, slot_pos)))
+    T.joint, T.joint_head = (0, 0) if joint is None else (joint.data_ptr(), joint.stride(0))
+    T.own_head, T.own_kind = own_k.stride(0), native.KV_KINDS[own_k.dtype]
+    T.ring_head, T.ring_kind = ring_k.stride(0), native.KV_KINDS[ring_k.dtype]
+    return T, half_norm, t
