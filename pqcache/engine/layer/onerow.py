@@ -45,7 +45,6 @@ VALUES_IN_PLACE = True  # the picks' values read in place (the tests switch it o
 NATIVE_ATTENTION = True  # ...and the whole attention in one C call (native/select.attend_picks) on a CPU
 FUSED = True  # ...and with it the selection, in the same C call (native/pq_step), where nothing is recorded
 FILE_IN_STEP = True  # ...and the new token filed in that call too (off: in a call of its own, as under an observer)
-ONE = torch.ones((1, 1), dtype=torch.bool)  # a real new token's flag
 
 
 def ready(layer, query: torch.Tensor) -> bool:
@@ -94,7 +93,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
         cand = host.searchable[0, : max(0, S - window.n_local[0])]
         wide = first_stage_count(config, k, int(torch.count_nonzero(cand)))
         if 0 < k < wide:
-            return _fused(layer, state, index, query, cand, (k, wide), k_new, v_new, scaling)
+            return _fused(layer, index, query, cand, (k, wide), k_new, v_new, scaling)
     cand = window.candidates()  # (1, S): real tokens that are not sinks, older than the window
     n_cand = int(cand.sum())
     k_max = min(k, S)
@@ -164,7 +163,7 @@ def _fusable(layer, query, softcap, new_valid) -> bool:
     )
 
 
-def _fused(layer, state, index, query, cand, counts, k_new, v_new, scaling: float) -> torch.Tensor:
+def _fused(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> torch.Tensor:
     """attend's step in one C call (native/pq_step.pq_step) for k picks re-ranked from `wide` PQ candidates
     (counts = (k, wide)) -> (1, 1, Hq, D); the new token filed in the same call (under an observer, in a call of
     its own, timed as _store's copy is), and the step's books (selection, counters, an observer's records) as
@@ -196,9 +195,7 @@ def _fused(layer, state, index, query, cand, counts, k_new, v_new, scaling: floa
     if observed:
         layer.obs.moved("to_host", 2 * k_new.numel() * k_new.element_size())
     _filed(layer, index)
-    layer.last_selection = (top, top_valid)
-    layer.counters["misses"] += moved["misses"]  # and no hits: no block cache
-    layer.counters["steps"] += 1
+    _books(layer, top, top_valid, moved)
     return out.view(1, 1, Hq, D)
 
 
@@ -269,7 +266,6 @@ def _append(layer, state, index, top, top_valid, moved, k_new, v_new, new_valid,
     """The new token into the host tier, flags, its ring slot, its codes (general.append); the step's
     selection and counters. Returns out."""
     host, window = layer.host, layer.window
-    layer.last_selection = (top, top_valid)
     start = layer._store(k_new, v_new)  # (a "copy to host" span and its bytes when observed)
     host.valid[:, start : start + 1] = new_valid
     host.searchable[:, start : start + 1] = new_valid
@@ -278,7 +274,13 @@ def _append(layer, state, index, top, top_valid, moved, k_new, v_new, new_valid,
     window.n_real[0] += real
     state.real = real == 1  # a token that is not real would change the ring's mask: PQLayer.attend from now on
     index.append(start, k_new)
+    _books(layer, top, top_valid, moved)
+    return out
+
+
+def _books(layer, top, top_valid, moved: dict):
+    """The step's selection and counters, as PQLayer.attend keeps them."""
+    layer.last_selection = (top, top_valid)
     layer.counters["hits"] += moved["hits"]
     layer.counters["misses"] += moved["misses"]
     layer.counters["steps"] += 1
-    return out
