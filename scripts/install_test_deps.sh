@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the test suite needs on a fresh Debian machine: the Python packages, Debian's chromium for the
 # browser test (Playwright drives /usr/bin/chromium; it never downloads a browser), and a C compiler for the
-# native decode kernels (pqcache/native; tests/test_native.py fails without one).
+# native decode kernels (pqcache/native; tests/unit/test_native.py fails without one).
 # llama.cpp (requirements-bench.txt, only for `python -m pqcache bench e2e`) is not installed here: the tests do not
 # need it. To add it, build it with explicit CPU flags, not -DGGML_NATIVE=ON (that build crashed on a Xeon with AMX),
 # and with --no-cache-dir; the commands for AVX2 and AVX-512 CPUs are in requirements-bench.txt and docs/benchmarks.md.

@@ -1,107 +1,42 @@
+"""What every tier shares: the tier markers (a test's folder under tests/ is its tier), the thread count, the
+architectures the unit tier sweeps, and the bundled models loaded once per run for the tiers that read them."""
+
 import os
+from pathlib import Path
 
 import pytest
 import torch
-from transformers import (
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    LlamaConfig,
-    LlamaForCausalLM,
-    MistralConfig,
-    MistralForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-)
+
+from tests.tiny import ARCHS
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
-COMMON = dict(
-    vocab_size=96,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    max_position_embeddings=1024,
-    pad_token_id=0,
-)
+TIERS = ("unit", "model", "app", "cluster")  # pyproject.toml registers them; `pytest -m unit` is the inner loop
+BUNDLED = {"real_model", "smollm2", "cli"}  # the fixtures that load a bundled model
+HERE = Path(__file__).resolve().parent
 
 
-def tiny_model(arch: str, seed: int = 0, **overrides):
-    """A random-weight causal LM built in-process (no download); overrides: config fields other than COMMON's."""
-    torch.manual_seed(seed)
-    common = {**COMMON, **overrides}
-    if arch == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif arch == "mistral":
-        model = MistralForCausalLM(MistralConfig(**common, sliding_window=None))
-    elif arch == "qwen2":
-        model = Qwen2ForCausalLM(Qwen2Config(**common, use_sliding_window=False))
-    elif arch == "gemma3":
-        cfg = Gemma3TextConfig(
-            **common,
-            sliding_window=24,
-            query_pre_attn_scalar=16,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-        )
-        model = Gemma3ForCausalLM(cfg)
-    else:
-        raise ValueError(arch)
-    return model.eval()
+def pytest_ignore_collect(collection_path, config):
+    """`-m unit` (or `-m "unit or model"`): the other tiers' folders are not even imported, since every test in
+    them would be deselected; the inner loop starts without Gradio's, Playwright's and Ray's imports."""
+    chosen = [word.strip() for word in (config.option.markexpr or "").split(" or ")]
+    if not chosen or not set(chosen) <= set(TIERS):
+        return None
+    path = Path(collection_path).resolve()
+    tier = path.relative_to(HERE).parts[0] if path.is_relative_to(HERE) and path != HERE else None
+    return True if tier in TIERS and tier not in chosen else None
 
 
-def greedy_generate(model, ids, cache, n=6, mask=None):
-    """Exactly n greedy tokens through transformers' generate with `cache`: (sequences, scores (n, B, V))."""
-    out = model.generate(
-        ids,
-        attention_mask=mask,
-        max_new_tokens=n,
-        min_new_tokens=n,
-        do_sample=False,
-        output_scores=True,
-        return_dict_in_generate=True,
-        cache=cache,
-        pad_token_id=0,
-    )
-    return out.sequences, torch.stack(out.scores)
-
-
-def fork_answer(model, cfg, doc, question, n: int):
-    """A document prefilled once into a PQCache, a fork of it asked `question`, then n greedy decode steps on the
-    fork: (tokens (1, n), the last step's logits, the fork)."""
-    from pqcache import PQCache  # the tiny models' helpers above need no engine
-
-    with torch.no_grad():
-        parent = PQCache(model, cfg)
-        model(doc, cache=parent)
-        parent.wait()
-        fork = parent.fork("pqcache")
-        logits = model(question, cache=fork).logits[:, -1:]
-        tokens = []
-        for _ in range(n):
-            token = logits.argmax(-1)
-            tokens.append(token)
-            logits = model(token, cache=fork).logits
-    return torch.cat(tokens, 1), logits, fork
-
-
-class WordTokenizer:
-    """Whitespace tokenizer over the tiny models' vocabulary (ids 1..95)."""
-
-    eos_token_id = None
-
-    def __call__(self, text, return_tensors=None, add_special_tokens=True):
-        ids = [1 + (sum(map(ord, w)) % 95) for w in text.split()]
-        out = torch.tensor([ids]) if return_tensors == "pt" else ids
-        return type("Enc", (), {"input_ids": out})()
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(f"t{i}" for i in ids)
-
-
-ARCHS = ["llama", "mistral", "qwen2", "gemma3"]
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tier = Path(item.path).resolve().relative_to(HERE).parts[0]
+        if tier not in TIERS:
+            raise pytest.UsageError(f"{item.nodeid}: each test lives in its tier's folder, tests/<tier>/ {TIERS}")
+        if tier == "unit" and BUNDLED & set(item.fixturenames):
+            raise pytest.UsageError(f"{item.nodeid} reads a bundled model: it belongs in tests/model/")
+        item.add_marker(tier)
 
 
 @pytest.fixture(params=ARCHS)
@@ -154,72 +89,3 @@ def cli(real_model, monkeypatch, capsys):
         return subprocess.CompletedProcess(args, code, out, err)
 
     return run
-
-
-def launch_app(*flags):
-    """`python app.py` launched as a user launches it, on a free localhost port; yields its URL."""
-    from pqcache.bench.app_process import running_app
-
-    store = [] if "--store" in flags else ["--no-store"]  # the pages' tests read each document from its text
-    with running_app(*store, *flags) as (url, _):
-        yield url
-
-
-@pytest.fixture(scope="session")
-def app_url():
-    yield from launch_app()
-
-
-@pytest.fixture(scope="session")
-def small_app_url():
-    """An app sized to make limits reachable: one request at a time, 18.4 MiB of caches (one ~1K-token
-    document of the bundled model reserves about 12 MiB and holds 10.7: float16 keys, values and windows), documents
-    up to 1200 tokens, 8 s K-Means timeout."""
-    yield from launch_app(
-        "--concurrency",
-        "1",
-        "--max-cache-gib",
-        "0.018",
-        "--max-document-tokens",
-        "1200",
-        "--idle-minutes",
-        "10",
-        "--pq-timeout",
-        "8",
-    )
-
-
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] | trim }}{{ eos_token }}\n{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
-
-
-def byte_tokenizer(chat_template: str | None = None):
-    """A real (fast) tokenizer built in-process: one token per byte (ids 3..258) after <pad>, <s> (BOS, added by
-    default) and </s> (EOS); decoding gives the text back exactly. chat_template: a Jinja chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-    from transformers import PreTrainedTokenizerFast
-
-    specials = ["<pad>", "<s>", "</s>"]
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {t: i for i, t in enumerate(specials + sorted(alphabet))}
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    core.decoder = decoders.ByteLevel()
-    core.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
-    return PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-        chat_template=chat_template,
-    )
-
-
-def tiny_chat_model(seed: int = 0):
-    """A random-weight Llama whose tokenizer has a chat template (an 'instruct model' in miniature): (model, tok)."""
-    tok = byte_tokenizer(CHAT_TEMPLATE)
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**COMMON, "vocab_size": len(tok)}, bos_token_id=1, eos_token_id=2)
-    return LlamaForCausalLM(cfg).eval(), tok

@@ -1,4 +1,4 @@
-"""The runners of `bench app` (bench_app.py says what each measures): the app's objects in this process, generate,
+"""The runners of `bench app` (app.py beside it says what each measures): the app's objects in this process, generate,
 `python app.py` through its API, and llama.cpp on the same token ids."""
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def llama_row(gguf: str, tokenizer, text: str, threads: int, long_tokens: int = 
 
 
 def run_spec(spec: dict) -> dict:
-    """One runner at one length (bench_app.py's spec): its row."""
+    """One runner at one length (app.py's spec): its row."""
     from transformers import AutoTokenizer
 
     from pqcache.serving.loading import DEFAULT_NAMES, default_gguf, load_model, prepare_default_model

@@ -205,7 +205,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def cli_e2e(args) -> int:
-    """`python -m pqcache bench e2e ...` (flags in cli.py)."""
+    """`python -m pqcache bench e2e ...` (flags in pqcache/cli/args.py)."""
     rows = bench_e2e(
         model=args.model,
         seq_lens=args.seq_lens or SEQ_LENS,

@@ -1,4 +1,4 @@
-"""The command line's arguments: `python -m pqcache` and its subcommands' flags (cli.py runs them)."""
+"""The command line's arguments: `python -m pqcache` and its subcommands' flags (main.py runs them)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def add_dtype_flags(parser):
         default=PQCacheConfig.kv_dtype,
         choices=list(KV_DTYPES),
         help="the host tier's keys and values (default auto: float16 on a CPU running float32, half the bytes; "
-        "model: the model's dtype, as before this flag)",
+        "model: the model's own dtype)",
     )
     parser.add_argument(
         "--dtype",

@@ -6,13 +6,14 @@ bundled model (4 query heads, 1 KV head). Where the mask is the usual one of a c
 visible, causal within the chunk), no mask is needed at all: the attention splits into the chunk's queries over the
 earlier keys, grouped heads packed and unmasked, and over the chunk's own keys, causal from the top left, as
 torch's flash kernel computes each; the two are merged by their log-sum-exps. Each query row's softmax is the same
-sum, in another order (within float32 rounding of one SDPA call: tests/test_prefill_attention.py). A 1,024-row chunk
-over 32K keys: 0.83-0.88 s here against 1.10-1.23 s in query blocks (Zen 3, ad hoc), and no mask in memory.
+sum, in another order (within float32 rounding of one SDPA call: tests/unit/test_prefill_attention.py). A
+1,024-row chunk over 32K keys: 0.83-0.88 s here against 1.10-1.23 s in query blocks (Zen 3, ad hoc), and no
+mask in memory.
 Any other mask (padded rows of a batch, a sliding window, a bidirectional span) goes through SDPA with the mask,
 the queries in blocks of PREFILL_QUERY_BLOCK rows, which caps the mask's float copy to a quarter of the chunk's. A
 chunk of at most one block (short prompts, the tests' tiny models) is one SDPA call with its mask, as full
 attention's layers compute it: the same bits, so PQCache at a full budget stays within float noise of full
-attention through decode linears that round their inputs (tests/test_decode_layer.py).
+attention through decode linears that round their inputs (tests/unit/test_decode_layer.py).
 """
 
 from __future__ import annotations

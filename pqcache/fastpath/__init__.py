@@ -11,5 +11,5 @@ the native kernels (pqcache/native) it calls.
   install.py  install_fast_decode: the layer forwards and the step on a loaded model
 
 Everything here computes what the model computes (bit-identical, or within float rounding where a C kernel sums in
-another order: tests/test_decode_layer.py, tests/test_fast.py); pqcache/serving/loading.py installs it.
+another order: tests/unit/test_decode_layer.py, tests/unit/test_fast.py); pqcache/serving/loading.py installs it.
 """

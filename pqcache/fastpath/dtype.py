@@ -2,7 +2,7 @@
 
 None (the default): float32 on a CPU, bfloat16 on CUDA. On a CPU bf16 is faster (prefill 1.2-1.3x, half the
 weight bytes) but not the default: with it the bundled model misread the sample pass key at a 1/5 budget (then
-the app's default) in tests/test_real_model.py, which float32 answers. "auto" picks bfloat16 where the CPU has
+the app's default) in tests/model/test_real_model.py, which float32 answers. "auto" picks bfloat16 where the CPU has
 native bf16 arithmetic (AVX-512 BF16 or AMX) and on CUDA, float32 elsewhere (where bf16 would be emulated and
 slower). "float32" and "bfloat16" force one.
 """

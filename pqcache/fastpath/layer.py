@@ -8,7 +8,7 @@ take to read. This forward computes the same thing in about 45: one quantized ma
 gate/up (fastpath/weights.py's stacked copies), both head norms on the stacked q and k heads at once (Gemma), the
 rotary embedding as one roll and two products. Every value is computed by the same arithmetic in the same order as
 transformers' decoder layer with fastpath/weights.py's linears, so the output is bit-identical
-(tests/test_decode_layer.py), and the cache and the attention function (PQCache's, SDPA) are called exactly as
+(tests/unit/test_decode_layer.py), and the cache and the attention function (PQCache's, SDPA) are called exactly as
 the model calls them. Forwards of more rows (prefill chunks, a question), other devices and dtypes, and layers
 without the quantized copies run the model's own forward. `step` is the same forward for one real token of one
 row, called by fastpath/step.py with the layer's cache and attention reached directly.
@@ -16,7 +16,7 @@ row, called by fastpath/step.py with the layer's cache and attention reached dir
 Where pqcache/native built and the copies are its int8 rows, `step` runs the layer in three C calls instead
 (native/layer.py, layer_step.c: 0.25 against 0.40 ms a Gemma sliding layer's step here, warm caches, ad hoc): the
 same products, the rest in another summation order, so its logits are within 1e-4 of the torch step's, not
-bit-identical, and greedy tokens are the same (tests/test_decode_layer.py). The cache update and PQCache's
+bit-identical, and greedy tokens are the same (tests/unit/test_decode_layer.py). The cache update and PQCache's
 attention stay in Python; a sliding-window layer's step whose window has a row ready (AppendSlidingWindowLayer's
 in-place path) is one C call with its window's write (layer_window_step, the same arithmetic: the same logits).
 """
@@ -41,7 +41,7 @@ WINDOW_STEP = True  # ...and a sliding-window layer's step in one C call (the te
 
 def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """An RMSNorm's arithmetic for a float32 x (Gemma3RMSNorm's, weight = 1 + w, and LlamaRMSNorm's): torch's
-    rms_norm is x * rsqrt(mean(x^2) + eps) * w in the same order (bit-identical, tests/test_decode_layer.py) in one
+    rms_norm is x * rsqrt(mean(x^2) + eps) * w in the same order (bit-identical, tests/unit/test_decode_layer.py) in one
     operator instead of five. weight (D,) or one row per head (n, D), applied after; None: no norm there (x)."""
     if weight is None:
         return x

@@ -8,7 +8,7 @@ SDPA wrapper for the sliding-window layers): about 1.6 ms of an 8K step on a 2-c
 (measured with the model's forward in place of this step). This step calls the model's own modules and functions on
 the same tensors for everything that is arithmetic (the embedding, the rotary embeddings, the layers' short forward
 through FastDecodeLayer.step, the final norm, the LM head and its soft-capping), so its logits are bit-identical to
-the model's (tests/test_decode_layer.py). It runs where the cache is a PQCache or full attention's DynamicCache;
+the model's (tests/unit/test_decode_layer.py). It runs where the cache is a PQCache or full attention's DynamicCache;
 anything else (a batch, a question's several tokens, hooks, other caches and models) takes the model's forward. An
 observer attached to the PQCache (the app's live panels) stays attached: its PQ layers record inside PQLayer.attend
 as they do under the model's forward, and each decoder layer's "device compute" span, which the observer's forward

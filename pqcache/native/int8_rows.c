@@ -12,9 +12,9 @@
    Overflow: a product is at most 32767 * 127 < 2^22; one int32 lane of the vector path adds 256 of them per
    block of BLOCK columns (4 accumulators x 64), under 2^30, before the block's sum moves to int64; on AVX2 a lane
    of each of two accumulators adds 128 pairs of products per block, and the two are added before the move: 256
-   pairs, at most 256 x 2 x 128 x 32767 = 2,147,418,112 < 2^31 (tests/test_native.py sums the largest). The plain
+   pairs, at most 256 x 2 x 128 x 32767 = 2,147,418,112 < 2^31 (tests/unit/test_native.py sums the largest). The plain
    path (a CPU without AVX-512 VNNI, and the vector path's last columns) sums at most PLAIN columns in one int32:
-   512 products are under 2^31 (a block of 4096 wrapped around on an AVX2 CPU: tests/test_native.py). */
+   512 products are under 2^31 (a block of 4096 wrapped around on an AVX2 CPU: tests/unit/test_native.py). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>

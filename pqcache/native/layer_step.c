@@ -15,7 +15,7 @@
    matches native.Int8Product to the bit on the same input. The rest is float32 arithmetic in the same formulas as
    transformers' decoder layers (sums of squares in double), in another order than torch's kernels: a few
    units in the last place, which the int16 rounding of the next product can turn into 1e-5 of its output
-   (tests/test_decode_layer.py). The caller keeps the cache: layer_qkv's k and v rows go into it, and attend_row
+   (tests/unit/test_decode_layer.py). The caller keeps the cache: layer_qkv's k and v rows go into it, and attend_row
    reads the keys and values it returns. */
 #include <math.h>
 #include <omp.h>

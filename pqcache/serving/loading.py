@@ -237,7 +237,7 @@ def _load_model(name_or_path, device, dtype, device_map, progress, decode_weight
 
 def _bundled_tokenizer(path: Path):
     """A bundled model's tokenizer as its tokenizer.json describes it (transformers' PreTrainedTokenizerFast): the
-    same ids, special tokens and chat template as AutoTokenizer's class for it (tests/test_real_model.py), without
+    same ids, special tokens and chat template as AutoTokenizer's class for it (tests/model/test_real_model.py), without
     the second copy GemmaTokenizer builds from the vocabulary (its 262,144 entries: 250 MB more resident memory,
     measured). The memory that reading its 33 MB of JSON took is given back to the OS."""
     from transformers import PreTrainedTokenizerFast

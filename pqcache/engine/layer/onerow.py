@@ -8,7 +8,7 @@ layer and step at 8K tokens, where the step's real work (PQ search, re-rank, fet
 The step a user's answer takes (one row, one token, PQCache's own selection) is computed here with the same
 functions on the same tensors for everything that is arithmetic (PQ scores, the GQA combine, top-k with its tie
 rule, the re-rank, the masked attention, the codes of the new key), so its output and picks are those of
-PQLayer.attend (tests/test_onerow.py); only the bookkeeping is shorter: the picks' values are copied into the
+PQLayer.attend (tests/unit/test_onerow.py); only the bookkeeping is shorter: the picks' values are copied into the
 buffer from the host tier directly, and the mask of a window whose sinks and ring are all real tokens is known.
 The device block cache keeps its books as in PQLayer.attend (the same look-up, hits and misses, admissions and
 bytes): the values it holds are copies of the host tier's, so where a pick is read from does not change the
@@ -20,7 +20,7 @@ Where pqcache/native built and the host tier holds float32 (a CPU), the picks' v
 attention's weighted sum over them reads each where it lies in the host tier (HostTier.value_sums), and the
 window's part and the new token's are added; on a CPU the whole attention is one C call (native/select.attend_picks:
 the window's scores, one softmax with the re-rank's scores, the weighted sums). The same softmax, another summation
-order: within float32 rounding of PQLayer.attend's output, the same picks (tests/test_onerow.py). Then the timeline
+order: within float32 rounding of PQLayer.attend's output, the same picks (tests/unit/test_onerow.py). Then the timeline
 shows no copy of the picks to the device (none happens); the block cache's admissions are copies, and shown.
 Where nothing is recorded per token and no block cache keeps books, the selection joins it in that call, and the new
 token is filed there too (_fused: native/pq_step.py); the tiers, codes and counters are those _append leaves.

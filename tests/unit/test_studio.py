@@ -1,0 +1,239 @@
+"""The app's tabs in-process (no server): the load form's settings, the teaching tab's use of the pool and its
+errors, the idle reaper's flags. The app through a running server: test_app*.py, test_browser.py."""
+
+import inspect
+import threading
+import types
+from dataclasses import fields, replace
+
+import pytest
+
+from pqcache import PQCacheConfigError
+from pqcache.serving.pool import SessionPool
+from pqcache.serving.session import DocumentSession
+from pqcache.serving.settings import LoadSettings
+from tests.tiny import WordTokenizer, tiny_model
+
+USER = types.SimpleNamespace(session_hash="teacher")  # what gradio passes as the request
+FACT = "the code to open the blue door"
+
+
+def quiet(*args, **kwargs):
+    """A gr.Progress stand-in."""
+
+
+# ---- the load form's settings ------------------------------------------------------------------------------
+def test_load_settings_are_the_form_in_the_order_of_the_endpoint():
+    from studio.qa import QATab
+
+    params = list(inspect.signature(QATab.load_document).parameters)
+    form = params[params.index("pasted") + 1 : params.index("request")]
+    assert form == [f.name for f in fields(LoadSettings)]
+    assert LoadSettings().values() == ["pqcache", 0, 0, 0.1, 32, 0, "lfu", 1024, "utf-8", "refuse"]
+    config = LoadSettings().to_config(pq_timeout_s=8)
+    assert (
+        config.m,
+        config.bits,
+        config.token_budget,
+        config.n_init,
+        config.n_local,
+        config.cache_policy,
+        config.block_cache_tokens,
+        config.pq_timeout_s,
+    ) == (None, None, 0.1, 32, None, "lfu", 1024, 8)
+    assert (LoadSettings(m=2, bits=6).to_config().m, LoadSettings(m=2, bits=6).to_config().bits) == (2, 6)
+    assert LoadSettings(budget="300", n_local=40).to_config().token_budget == 300
+    assert LoadSettings(too_long="cut the middle").truncate == "middle" and LoadSettings().truncate == "refuse"
+    assert LoadSettings().text_encoding is None and LoadSettings(encoding="cp1252").text_encoding == "cp1252"
+    with pytest.raises(PQCacheConfigError, match="token budget must be a number, got 'a lot'"):
+        LoadSettings(budget="a lot").to_config()
+
+
+def test_block_cache_is_rounded_to_the_configured_block_size():
+    assert LoadSettings(capacity=1000).to_config().block_cache_tokens == 896  # the default block_size, 128
+    assert LoadSettings(capacity=1000).to_config(block_size=100).block_cache_tokens == 1000
+    config = LoadSettings(capacity=1000).to_config(block_size=48)
+    assert (config.block_size, config.block_cache_tokens) == (48, 960)
+    assert replace(LoadSettings(), capacity=40).to_config(block_size=64).block_cache_tokens == 0  # under one block
+
+
+# ---- the document store's flags ----------------------------------------------------------------------------------
+def test_the_store_flags_choose_where_documents_are_kept(tmp_path, monkeypatch, capsys):
+    import app
+
+    monkeypatch.setenv("PQCACHE_HOME", str(tmp_path))
+    store = app.make_store(app.parse_args([]))  # on by default, under PQCACHE_HOME
+    assert store.root == tmp_path / "documents" and store.cap_bytes > 0
+    store = app.make_store(app.parse_args(["--store", str(tmp_path / "elsewhere"), "--store-gib", "0.5"]))
+    assert store.root == tmp_path / "elsewhere" and store.cap_bytes == 2**29
+    assert app.make_store(app.parse_args(["--no-store"])) is None
+    for bad, said in [(["--store-gib", "0"], "--store-gib must be more than 0"), (["--no-store", "--store", "x"],
+                      "choose one")]:  # fmt: skip
+        with pytest.raises(SystemExit):
+            app.parse_args(bad)
+        assert said in capsys.readouterr().err
+
+
+def test_the_browser_lists_secret_is_made_once_and_kept(tmp_path, monkeypatch):
+    """Your documents' listing is encrypted in the browser with this secret: a new one at each start would make every
+    browser's list unreadable after a restart, so it is made once (only the app's account reads it) and read back."""
+    import os
+
+    from studio.your_documents import browser_secret
+
+    monkeypatch.setenv("PQCACHE_HOME", str(tmp_path))
+    first = browser_secret()
+    assert len(first) == 64 and browser_secret() == first  # a restart reads the same one
+    assert os.stat(tmp_path / "browser_secret").st_mode & 0o777 == 0o600 and os.listdir(tmp_path) == ["browser_secret"]
+
+
+# ---- --idle-minutes 0 -------------------------------------------------------------------------------------------
+def test_idle_minutes_zero_never_reaps_and_starts_no_reaper_thread(monkeypatch):
+    import app
+
+    before = set(threading.enumerate())
+    pool = app.make_pool(app.parse_args(["--idle-minutes", "0", "--max-cache-gib", "1"]))
+    try:
+        assert pool.idle_s is None and pool._reaper is None
+        assert [t for t in threading.enumerate() if t not in before and t.name == "pqcache-reaper"] == []
+        entry = pool.entry("ann")
+        entry.sessions["qa"], entry.last_used = types.SimpleNamespace(close=quiet), pool.clock() - 10**6
+        assert pool.reap() == [] and "qa" in pool.entry("ann").sessions  # idle for days: kept
+    finally:
+        pool.close()
+    pool = SessionPool(max_bytes=2**30, idle_s=0)  # the pool on its own: 0 means the same
+    pool.start_reaper(every_s=0)
+    try:
+        assert pool.idle_s is None and pool._reaper is None
+    finally:
+        pool.close()
+    with pytest.raises(ValueError, match="every_s"):  # a reaper that would spin is refused
+        SessionPool(max_bytes=2**30, idle_s=60).start_reaper(every_s=0)
+    with pytest.raises(SystemExit):  # a negative time is refused at the command line
+        app.parse_args(["--idle-minutes", "-1"])
+    pool = app.make_pool(app.parse_args(["--idle-minutes", "30", "--max-cache-gib", "1"]))
+    try:
+        assert pool.idle_s == 1800 and pool._reaper.is_alive()
+    finally:
+        pool.close()
+
+
+# ---- teaching -----------------------------------------------------------------------------------------------
+@pytest.fixture
+def teaching(tmp_path):
+    """The teaching tab on a tiny model and a short document with the first fact in it."""
+    from studio import Studio
+    from studio.teaching import TeachingTab
+
+    words = [f"w{i % 37}" for i in range(240)]
+    words[150:150] = f"{FACT} is 4721 .".split()
+    doc = tmp_path / "teaching.txt"
+    doc.write_text(" ".join(words), encoding="utf-8")
+    studio = Studio(tiny_model("llama"), WordTokenizer(), SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=60)
+    yield TeachingTab(studio, document=str(doc))
+    studio.pool.close()
+
+
+def run(tab, methods=("pqcache", "streaming"), step="1. Prefill and PQ build"):
+    state, status, rows, strip, spotlight, text, picture = tab.run_teaching(
+        list(methods), FACT, 0.2, step, None, request=USER, progress=quiet
+    )
+    return state, status, rows
+
+
+def test_teaching_runs_side_by_side_with_the_right_answer(teaching):
+    from studio.teaching import question_line
+
+    state, status, rows = run(teaching)
+    assert status.startswith("Prefilled 250 tokens once; the fact starts at token 150")
+    assert [r[0] for r in rows] == ["pqcache", "streaming"] and all(r[3] > 0 for r in rows)
+    assert all(r[2] in ("yes", "no") for r in rows)  # right or not, against the answer on screen
+    assert question_line(FACT).endswith("**Right answer:** 4721")
+    assert teaching.pool.session("teacher", "teaching") is not None
+    spotlight = teaching.spotlight_text(state, "streaming")  # the tokens around the fact, by colour, no tags
+    assert {kind for _, kind in spotlight} <= {None, "attended", "the fact", "the fact, attended"}
+    assert any(kind and "the fact" in kind for _, kind in spotlight)
+
+
+def test_teaching_keeps_the_prefill_queries_only_when_a_chosen_method_starts_from_them(teaching, monkeypatch):
+    """SnapKV among the methods: the one prefill keeps the queries (no second read of the document); PQCache and
+    StreamingLLM alone: none kept."""
+    import pqcache.serving.session as session_module
+
+    reads = []
+    real = session_module.read_queries
+    monkeypatch.setattr(session_module, "read_queries", lambda *a: reads.append(1) or real(*a))
+    run(teaching, methods=("pqcache", "snapkv"))
+    session = teaching.pool.session("teacher", "teaching")
+    assert reads == [] and session.cache.stats()["query_bytes"] > 0
+    run(teaching)
+    assert teaching.pool.session("teacher", "teaching").cache.stats()["query_bytes"] == 0
+
+
+def test_teaching_spotlight_shows_what_each_method_attended_within_the_budget(teaching):
+    state, _, rows = run(teaching)
+    attended = {r[0]: r[3] for r in rows}
+    assert 0 < attended["streaming"] <= 0.2 * 250  # within the budget: the sinks and the recent window
+    assert 0 < attended["pqcache"] < 250  # the top-k of its heads together, not the whole document
+    assert state["selections"]["streaming"] == sorted(state["selections"]["streaming"])
+    assert not any(110 <= p < 150 for p in state["selections"]["streaming"])  # far from both sinks and window
+
+
+@pytest.mark.parametrize("methods", [("pqcache", "streaming"), ("streaming",)])
+def test_teaching_walkthrough_has_a_picture_per_step_from_the_run_and_no_model_work(teaching, monkeypatch, methods):
+    from studio.teaching import WALKTHROUGH
+
+    state, _, _ = run(teaching, methods)  # without pqcache among the methods it records a short answer of its own
+    walk = state["walk"]
+    assert walk["layer"] == 0 and walk["k"] > 0 and walk["n_wide"] >= walk["k"]
+    monkeypatch.setattr(DocumentSession, "ask", lambda *a, **k: pytest.fail("the walkthrough asked the model"))
+    titles = set()
+    for step in WALKTHROUGH:
+        text, figure = teaching.walkthrough(step, state, USER)
+        assert text.startswith(f"**{step}.**") and "{" not in text  # every number filled in from the run
+        names = [tr.name for tr in figure.data if tr.showlegend is not False]
+        assert figure.data and len(names) == len(set(names))  # one legend entry per series
+        titles.add(figure.layout.title.text.split(":")[0])
+    assert len(titles) == 5  # five different pictures
+
+
+def test_teaching_walkthrough_before_a_run_says_what_to_do(teaching):
+    text, figure = teaching.walkthrough("3. Search", None, USER)
+    assert "Press Run side by side" in text and figure is None
+
+
+def test_teaching_errors_are_messages_without_a_traceback(teaching, monkeypatch):
+    state, _, _ = run(teaching)
+
+    def broken(self, *args, **kwargs):
+        raise RuntimeError("DefaultCPUAllocator: can't allocate memory")
+
+    monkeypatch.setattr(DocumentSession, "ask", broken)
+    message = (
+        "**Error:** unexpected RuntimeError on the server (DefaultCPUAllocator: can't allocate memory); "
+        "the details are in the server log"
+    )
+    again, status, rows = run(teaching)
+    assert status == message and rows == [] and again is None  # the page's state stays as it was
+    assert teaching.pool.entry("teacher").busy == 0
+
+
+def test_teaching_walkthrough_after_the_server_freed_the_document(teaching):
+    state, _, _ = run(teaching)
+    teaching.pool.free("teacher", "teaching")
+    text, figure = teaching.walkthrough("4. Fetch", state, USER)  # the pictures are the run's, kept on the page
+    assert text.startswith("**4. Fetch.**") and figure.data
+
+
+# ---- cost model ---------------------------------------------------------------------------------------------
+def test_cost_model_says_what_fits_and_the_budget_unit():
+    from studio.costmodel_tab import cost, intro
+
+    rows, figure = cost("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", 0.2)
+    table = {r[0]: r[1:] for r in rows}
+    assert table["device KV, full attention (GiB)"] == ["16.00", "weights + KV: does not fit (30.9 > 24 GiB)"]
+    assert table["device KV, PQCache (GiB)"][1].startswith("weights + KV + PQ: fits (")
+    assert table["token budget"][0] == "0.2 of the context = 26,215 tokens per step"
+    rows, _ = cost("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", 3)
+    assert rows[0][1].startswith("3 tokens per step (a count")
+    assert figure is not None and intro().count("not a measurement") == 1  # said once
