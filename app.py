@@ -2,7 +2,7 @@
 
 python app.py [--host 127.0.0.1] [--port 7860] [--model default|PATH] [--dtype float32|bfloat16|auto]
               [--decode-weights int8|auto|int4|model] [--concurrency 2] [--max-cache-gib G] [--idle-minutes 30]
-              [--max-document-tokens N] [--pq-timeout 120] [--store DIR | --no-store] [--store-gib G]
+              [--max-document-tokens N] [--pq-timeout 300] [--store DIR | --no-store] [--store-gib G]
               [--ray auto|local|HOST:PORT --replicas N --replica-cpus 1]
 
 Tabs: Document Q&A (upload or paste, prefill once, streamed answers, live cache panels), Teaching
@@ -34,8 +34,9 @@ for var in ("NO_PROXY", "no_proxy"):  # the browser and the client talk to local
 from pqcache import load_model  # noqa: E402
 from pqcache.cli.args import add_dtype_flags  # noqa: E402
 from pqcache.serving.documents import MAX_DOCUMENT_BYTES  # noqa: E402
-from pqcache.serving.pool import SessionPool, limit_malloc_arenas  # noqa: E402
-from pqcache.serving.settings import MAX_QUESTION_CHARS  # noqa: E402
+from pqcache.serving.pool import limit_malloc_arenas  # noqa: E402
+from pqcache.serving.server_settings import ServerSettings  # noqa: E402
+from pqcache.serving.store import default_root  # noqa: E402
 from studio import Studio, build_ui  # noqa: E402
 from studio.ui import queued  # noqa: E402
 
@@ -45,10 +46,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=7860)
     p.add_argument(
-        "--model", default="default", help="'default' (Gemma 3 270M), 'smollm2' (SmolLM2-135M-Instruct), or a folder"
+        "--model",
+        default=ServerSettings.model,
+        help="'default' (Gemma 3 270M), 'smollm2' (SmolLM2-135M-Instruct), or a folder",
     )
     add_dtype_flags(p)
-    p.add_argument("--concurrency", type=int, default=2, help="requests using the model at once; the rest queue")
+    p.add_argument(
+        "--concurrency",
+        type=int,
+        default=ServerSettings.concurrency,
+        help="requests using the model at once; the rest queue",
+    )
     p.add_argument(
         "--max-cache-gib",
         type=float,
@@ -67,24 +75,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--store-gib", type=float, default=None, help="the store's size cap (default: a quarter of the free disk)"
     )
     p.add_argument(
-        "--idle-minutes", type=float, default=30, help="free a user's caches after this long idle (0: never)"
+        "--idle-minutes",
+        type=float,
+        default=ServerSettings.idle_s / 60,
+        help="free a user's caches after this long idle (0: never)",
     )
     p.add_argument(
         "--max-document-tokens",
         type=int,
-        default=None,
+        default=ServerSettings.max_document_tokens,
         help="longest document accepted (default: what the model reads); longer ones are refused or cut",
     )
     p.add_argument(
         "--max-question-chars",
         type=int,
-        default=MAX_QUESTION_CHARS,
+        default=ServerSettings.max_question_chars,
         help="longest question accepted, in characters (0: any length); a long passage belongs in the document",
     )
     p.add_argument(
         "--pq-timeout",
         type=float,
-        default=120,
+        default=ServerSettings.pq_timeout_s,
         help="seconds a K-Means build may take before its layer falls back to exact attention",
     )
     p.add_argument(
@@ -116,21 +127,22 @@ def cache_bytes(args: argparse.Namespace) -> int:
     return int((args.max_cache_gib if args.max_cache_gib is not None else min(8.0, ram / 4 / 2**30)) * 2**30)
 
 
-def make_store(args: argparse.Namespace):
-    """This process's document store (None with --no-store, and with --ray, where the replicas keep one)."""
-    if args.no_store or args.ray:
-        return None
-    from pqcache.serving.store import DocumentStore
-
-    return DocumentStore(args.store, None if args.store_gib is None else int(args.store_gib * 2**30))
-
-
-def make_pool(args: argparse.Namespace) -> SessionPool:
-    """The session pool the flags ask for, its reaper of idle caches started."""
-    pool = SessionPool(max_bytes=cache_bytes(args), idle_s=args.idle_minutes * 60 or None)  # 0: never by idleness
-    if pool.idle_s is not None:
-        pool.start_reaper(every_s=min(5.0, pool.idle_s / 4))
-    return pool
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from its flags: handed whole to the worker here, or to each Ray replica."""
+    return ServerSettings(
+        model=args.model,
+        dtype=args.dtype,
+        decode_weights=args.decode_weights,
+        kv_dtype=args.kv_dtype,
+        pq_timeout_s=args.pq_timeout,
+        max_document_tokens=args.max_document_tokens,
+        max_question_chars=args.max_question_chars or None,
+        max_cache_bytes=cache_bytes(args),
+        idle_s=args.idle_minutes * 60 or None,  # 0: never by idleness
+        concurrency=args.concurrency,
+        store_dir=None if args.no_store else str(args.store or default_root()),
+        store_cap_bytes=None if args.store_gib is None else int(args.store_gib * 2**30),
+    )
 
 
 def main(argv: list[str] | None = None):
@@ -139,29 +151,19 @@ def main(argv: list[str] | None = None):
     if args.ray:  # before the model: a wrong address or too small a cluster is said at once
         connect_ray(args)
     print("preparing the model (the first start converts the bundled GGUF, about a minute)...", flush=True)
+    server = server_settings(args)
     model, tokenizer = load_model(
-        args.model,
-        dtype=args.dtype,
-        decode_weights=args.decode_weights,
+        server.model,
+        dtype=server.dtype,
+        decode_weights=server.decode_weights,
         progress=lambda msg: print(msg, flush=True),
     )
-    pool = make_pool(args)
-    documents, concurrency = None, args.concurrency
-    if args.ray:
-        documents = start_ray_workers(args)
+    pool = server.make_pool()  # this process's caches: the Teaching tab's, and with no --ray the documents'
+    documents, store, concurrency = None, server.open_store(), server.concurrency
+    if args.ray:  # the replicas keep the documents and their store
+        documents, store = start_ray_workers(args, server), None
         concurrency *= args.replicas  # the page's model slots: each replica's, added up
-    studio = Studio(
-        model,
-        tokenizer,
-        pool,
-        pq_timeout_s=args.pq_timeout,
-        concurrency=concurrency,
-        max_document_tokens=args.max_document_tokens,
-        max_question_chars=args.max_question_chars or None,
-        documents=documents,
-        store=make_store(args),
-        kv_dtype=args.kv_dtype,
-    )
+    studio = Studio(model, tokenizer, pool, server, documents=documents, store=store, concurrency=concurrency)
     idle = f"idle caches freed after {args.idle_minutes:g} min" if pool.idle_s else "idle caches kept"
     where = f"on each of {args.replicas} Ray replicas" if args.ray else "in this process"
     print(f"model ready; caches capped at {pool.max_bytes / 2**30:.2f} GiB {where}, {idle}", flush=True)
@@ -199,26 +201,12 @@ def connect_ray(args: argparse.Namespace):
     atexit.register(launch.stop_workers)  # registered after ray.init: runs before Ray's own shutdown
 
 
-def start_ray_workers(args: argparse.Namespace):
+def start_ray_workers(args: argparse.Namespace, server: ServerSettings):
     """Deploy the replicas (each loads the model: this waits for them) and return the app's client."""
     from pqcache.cluster import launch
-    from pqcache.serving.store import default_root
 
     print(f"starting {args.replicas} document worker(s) on Ray ({args.ray})...", flush=True)
-    return launch.start_workers(
-        args.replicas,
-        model=args.model,
-        replica_cpus=args.replica_cpus,
-        max_bytes=cache_bytes(args),
-        idle_s=args.idle_minutes * 60 or None,
-        concurrency=args.concurrency,
-        pq_timeout_s=args.pq_timeout,
-        max_document_tokens=args.max_document_tokens,
-        dtype=args.dtype,
-        decode_weights=args.decode_weights,
-        store_dir=None if args.no_store else str(args.store or default_root()),
-        kv_dtype=args.kv_dtype,
-    )
+    return launch.start_workers(args.replicas, server, replica_cpus=args.replica_cpus)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,9 @@ def literal(text: str) -> str:
     return re.sub(r"^(\s*\d+)\.(?=\s|$)", r"\1\\.", text, flags=re.M)
 
 
-def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, feed, on_done=None, more=None):
-    """Run session.ask on a worker thread and yield (chat, timing line, 5 panels) while it streams: the first
+def stream_answer(ask, session, chat, method, max_new_tokens, stop, obs, feed, on_done=None, more=None):
+    """Run ask(max_new_tokens=, stop=, observer=, on_token=) (the documents service's answer to the user's question)
+    on a worker thread and yield (chat, timing line, 5 panels) while it streams: the first
     text as soon as it is there, then the chat at most every CHAT_EVERY_S seconds, one panel whose data changed
     (memory excepted) at most every PANEL_EVERY_S seconds, all changed panels at the end. The chat's last message is
     the answer, with the method, its tokens, why it ended and the passages it read most (its sources);
@@ -41,13 +42,8 @@ def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, fe
 
     def work():
         try:
-            result["answer"] = session.ask(
-                question,
-                method=method,
-                max_new_tokens=max_new_tokens,
-                stop=stop,
-                observer=obs,
-                on_token=lambda a: updates.put(a.text),
+            result["answer"] = ask(
+                max_new_tokens=max_new_tokens, stop=stop, observer=obs, on_token=lambda a: updates.put(a.text)
             )
         except Exception as exc:  # shown in the chat; the session stays usable
             result["error"] = describe(exc)
@@ -91,6 +87,8 @@ def stream_answer(session, question, chat, method, max_new_tokens, stop, obs, fe
         yield chat, "", *feed.figures()
         return
     answer = result["answer"]
+    if getattr(answer, "note", ""):  # a new conversation started: said above the question that started it
+        chat.insert(max(0, len(chat) - 2), {"role": "assistant", "content": answer.note})
     n, seconds = len(answer.tokens), answer.seconds
     stopped = " (stopped)" if answer.stopped else ""
     why = ENDINGS.get(getattr(answer, "ended", ""), "")

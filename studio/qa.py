@@ -13,7 +13,7 @@ from pqcache import InputError
 from pqcache.serving.settings import answer_observer, check_question
 from studio.answering import stream_answer
 from studio.common import describe, sentence, user_of
-from studio.conversing import ON_A_CLUSTER, ConversationHandlers
+from studio.conversing import ConversationHandlers
 from studio.panels import PanelFeed
 from studio.qa_load import WAIT_S, LoadHandlers
 from studio.sources import choices as source_choices
@@ -36,7 +36,6 @@ class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
         self.status = StatusBook(self.pool)
         self.feeds: dict[str, PanelFeed] = {}
         self.answers: dict[str, tuple[str, dict]] = {}  # user -> (document text, the last answer's sources)
-        self.conversations: dict = {}  # user -> their Conversation on the active document
         self.notices = 0
         try:
             self.device = next(studio.model.parameters()).device.type
@@ -57,7 +56,7 @@ class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
         self.answers.pop(user, None)
         sources = gr.update(choices=[], value=None, visible=False)  # the last answer's go with it, whatever follows
         try:
-            check_question(question or "", self.studio.max_question_chars)
+            check_question(question or "", self.studio.server.max_question_chars)
         except InputError as exc:  # the question stays in its box, to be shortened
             yield list(chat or []), f"**Error:** {describe(exc)}", *(gr.skip(),) * 5, gr.skip(), sources
             return
@@ -117,22 +116,13 @@ class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
                 kept = {k: list(getattr(answer, k, None) or []) for k in keys}
                 self.answers[user] = (getattr(session, "doc_text", ""), {**kept, "method": method})
 
-            try:
-                talk, note = self.conversation_for(user, session, method)
-            except Exception as exc:  # reading the prefill queries a method starts from failed, or was stopped
-                chat.append({"role": "assistant", "content": f"Error: {describe(exc)}"})
-                yield chat, "", *feed.figures()
-                return
-            if note:
-                chat.insert(len(chat) - 1, {"role": "assistant", "content": note})
+            def ask(**kw):  # within the user's conversation, where their document lives
+                return self.pool.ask(user, question, method, **kw)
 
-            def said(_answer):  # after the timing line: what the conversation now holds (counted under the cap)
-                self.count_conversation(user)
-                return self.conversation_line(user) if talk else ON_A_CLUSTER
+            def said(_answer):  # after the timing line: what the conversation now holds
+                return self.conversation_line(user)
 
-            yield from stream_answer(
-                talk or session, question, chat, method, int(max_new_tokens), stop, obs, feed, keep, said
-            )
+            yield from stream_answer(ask, session, chat, method, int(max_new_tokens), stop, obs, feed, keep, said)
 
     # ---- the rest -----------------------------------------------------------------------------------------
     def stop_generation(self, request: gr.Request):
@@ -152,7 +142,6 @@ class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
 
     def unload_document(self, request: gr.Request):
         user = user_of(request)
-        self.drop_conversation(user)
         self.pool.free(user, "qa")
         self.status.forget(user)
         self.answers.pop(user, None)
@@ -194,7 +183,6 @@ class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
     def end_user(self, request: gr.Request):
         """The tab closed: free its caches."""
         user = user_of(request)
-        self.drop_conversation(user)
         self.pool.end(user)
         self.status.forget(user)
         self.feeds.pop(user, None)

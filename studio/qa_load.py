@@ -72,9 +72,7 @@ class LoadHandlers:
 
                 def work():
                     try:
-                        settings.to_config(
-                            pq_timeout_s=studio.pq_timeout_s, kv_dtype=studio.kv_dtype
-                        )  # the form is checked before the file
+                        studio.server.config_for(settings)  # the form is checked before the file
                         text = read(settings.text_encoding)
                         result["session"] = self.pool.load(user, name, text, settings, progress, entry.stop)
                     except Exception as exc:  # shown on the status line; the page stays as it was

@@ -9,7 +9,7 @@ import os
 import gradio as gr
 
 from pqcache.serving.documents import SUPPORTED_TYPES
-from pqcache.serving.settings import ENCODINGS, TOO_LONG, LoadSettings
+from pqcache.serving.settings import ENCODINGS, LABELS, POLICIES, TOO_LONG, LoadSettings
 from studio.common import ASSETS
 from studio.panels import WINDOWS, placeholders
 from studio.qa import QATab
@@ -91,13 +91,15 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
                 with gr.Row():
                     m = gr.Number(d.m, label="m (sub-spaces; 0: from the head size)", precision=0)
                     bits = gr.Number(d.bits, label="bits (0: from the length)", precision=0)
-                    budget = gr.Number(d.budget, label="token budget (a fraction like 0.1, or a count like 1024)")
+                    budget = gr.Number(
+                        d.budget, label=f"{LABELS['token_budget']} (a fraction like 0.1, or a count like 1024)"
+                    )
                 with gr.Row():
-                    n_init = gr.Number(d.n_init, label="sink tokens", precision=0)
-                    n_local = gr.Number(d.n_local, label="window (0: half the budget)", precision=0)
+                    n_init = gr.Number(d.n_init, label=LABELS["n_init"], precision=0)
+                    n_local = gr.Number(d.n_local, label=f"{LABELS['n_local']} (0: half the budget)", precision=0)
                 with gr.Row():
-                    policy = gr.Radio(["lfu", "lru"], value=d.policy, label="block-cache policy")
-                    capacity = gr.Number(d.capacity, label="block cache (tokens)", precision=0)
+                    policy = gr.Radio(list(POLICIES), value=d.policy, label=LABELS["cache_policy"])
+                    capacity = gr.Number(d.capacity, label=LABELS["block_cache_tokens"], precision=0)
                 max_new = gr.Slider(1, 256, value=48, step=1, label="max new tokens", elem_id="max-new")
                 with gr.Row():
                     encoding = gr.Dropdown(
@@ -175,7 +177,7 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     ).then(**remembered)
     reopen.click(
         tab.reopen, [listed, listing, *settings], shown, api_name="reopen_document", **one_progress, **model_work
-    ).then(**remembered)
+    ).then(**remembered).then(tab.resumed, [listed, method], [chat, gen_status], api_name=False, **model_work)
     forget.click(tab.forget, [listed, listing], [listing, listed], api_name="delete_document", concurrency_limit=None)
     for trigger in (file.change, pasted.change):
         trigger(load_label, [file, pasted], [load], queue=False, show_progress="hidden", api_name=False)

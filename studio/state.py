@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pqcache.serving.pool import SessionPool
-from pqcache.serving.settings import MAX_QUESTION_CHARS
+from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.worker import DocumentWorker
 
 
@@ -14,27 +14,18 @@ class Studio:
     model: object
     tokenizer: object
     pool: SessionPool  # this process's caches: the Teaching tab's, and the Q&A tab's when documents is local
-    pq_timeout_s: float | None = 120.0  # a K-Means build slower than this falls back to exact attention
-    concurrency: int = 2  # requests using the model at once; the rest queue
-    max_document_tokens: int | None = None  # None: what the model reads
-    max_question_chars: int | None = MAX_QUESTION_CHARS  # longer questions are refused (None: any length)
+    server: ServerSettings = field(default_factory=ServerSettings)  # app.py's flags, as the worker got them
     # where the Q&A tab's documents live: None builds the in-process worker around model and pool; a Ray
     # cluster's client (pqcache.cluster) has the same calls
     documents: object = None
     store: object = None  # a DocumentStore the in-process worker reads documents from and saves them to
-    kv_dtype: str = "auto"  # the host tier's keys and values (app.py --kv-dtype), for every document loaded
+    concurrency: int | None = None  # the page's requests using a model at once (None: the server's; Ray: all replicas')
 
     def __post_init__(self):
+        if self.concurrency is None:
+            self.concurrency = self.server.concurrency
         if self.documents is None:
-            self.documents = DocumentWorker(
-                self.model,
-                self.tokenizer,
-                self.pool,
-                self.pq_timeout_s,
-                self.max_document_tokens,
-                self.store,
-                self.kv_dtype,
-            )
+            self.documents = DocumentWorker(self.model, self.tokenizer, self.pool, self.server, self.store)
 
     @property
     def model_work(self) -> dict:

@@ -13,7 +13,7 @@ from pqcache import METHODS, Instrumentation, PQCacheConfig
 from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS
 from pqcache.serving.prompt import PromptBuilder, has_chat_template
 from pqcache.serving.session import DocumentSession
-from pqcache.serving.settings import number
+from pqcache.serving.settings import LABELS, number
 from pqcache.serving.walkthrough import StepRecorder
 from studio.common import ASSETS, describe, user_of
 from studio.state import Studio
@@ -55,9 +55,9 @@ class TeachingTab:
         with self.pool.use(user):
             try:
                 config = PQCacheConfig(
-                    token_budget=number(budget, "token budget"),
-                    pq_timeout_s=studio.pq_timeout_s,
-                    kv_dtype=studio.kv_dtype,
+                    token_budget=number(budget, LABELS["token_budget"]),
+                    pq_timeout_s=studio.server.pq_timeout_s,
+                    kv_dtype=studio.server.kv_dtype,
                     block_cache_tokens=DEVICE_BLOCK_CACHE_TOKENS,  # the walkthrough's fetch shows the GPU design
                 )
                 # the prefill's queries kept when a chosen method starts from them: no second read of the document

@@ -15,7 +15,8 @@ import secrets
 import gradio as gr
 
 from pqcache.serving.settings import LoadSettings
-from studio.common import user_of
+from studio.answering import literal
+from studio.common import describe, user_of
 
 MAX_LISTED = 20  # documents a browser lists, the most recent first
 NONE_YET = "Documents you load are listed here, to reopen without reading them again."
@@ -99,6 +100,31 @@ class DocumentListHandlers:
             return
         settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long)
         yield from self._load(user, entry["name"], lambda enc: text, settings)
+
+    def resumed(self, key, method, request: gr.Request):
+        """After a reopen: the conversation kept with that document (its last one for the method) back in the chat,
+        its turns shown and the next question a follow-up; without one the chat starts empty. (chat, timing line)"""
+        user = user_of(request)
+        session, _ = self.status.active(user)
+        if session is None or getattr(session, "store_key", None) != key:
+            return gr.skip(), gr.skip()  # the reopen failed: the chat stays as it was
+        try:
+            state = self.pool.resume_conversation(user, method)
+        except Exception as exc:  # an unreadable record, a Stop: the document stays, a new conversation starts
+            return [], f"**Error:** the kept conversation could not be read back ({describe(exc)}); a new one starts."
+        if state is None:
+            return [], ""
+        chat = []
+        for turn in state["turns"]:
+            if turn["kind"] == "question":
+                chat += [
+                    {"role": "user", "content": turn["text"]},
+                    {"role": "assistant", "content": literal(turn["answer"])},
+                ]
+            else:
+                chat.append({"role": "assistant", "content": f"*Added **{turn['text']}** to the conversation.*"})
+        asked = len(state["asked"])
+        return chat, f"Reopened the conversation kept with this document ({asked} question(s)): ask a follow-up."
 
     def forget(self, key, listing, request: gr.Request):
         """Delete a listed document from the store and from this browser's list (a loaded copy stays loaded)."""

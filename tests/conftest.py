@@ -39,6 +39,20 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(tier)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """After a run with the unit tier: the modules and classes past the sizes where a second role may hide."""
+    ran = terminalreporter.stats.get("passed", []) + terminalreporter.stats.get("failed", [])
+    if not any(report.nodeid.startswith("tests/unit/") for report in ran):
+        return
+    from tests.unit.test_layout import MAX_CLASS_LINES, MAX_MODULE_LINES, oversized
+
+    found = oversized()
+    if found:
+        terminalreporter.section(f"modules past {MAX_MODULE_LINES} lines, classes past {MAX_CLASS_LINES}: a look")
+        for line in found:
+            terminalreporter.write_line(line)
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param

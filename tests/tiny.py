@@ -129,9 +129,22 @@ def byte_tokenizer(chat_template: str | None = None):
     )
 
 
-def tiny_chat_model(seed: int = 0):
-    """A random-weight Llama whose tokenizer has a chat template (an 'instruct model' in miniature): (model, tok)."""
+# a served model's shape: big enough for a document of thousands of tokens (a load that Stop can end midway)
+SERVED = dict(
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    max_position_embeddings=8192,
+)
+
+
+def tiny_chat_model(seed: int = 0, **overrides):
+    """A random-weight Llama whose tokenizer has a chat template (an 'instruct model' in miniature): (model, tok).
+    overrides: config fields other than COMMON's (SERVED: the served model's shape)."""
     tok = byte_tokenizer(CHAT_TEMPLATE)
     torch.manual_seed(seed)
-    cfg = LlamaConfig(**{**COMMON, "vocab_size": len(tok)}, bos_token_id=1, eos_token_id=2)
+    cfg = LlamaConfig(**{**COMMON, "vocab_size": len(tok), **overrides}, bos_token_id=1, eos_token_id=2)
     return LlamaForCausalLM(cfg).eval(), tok

@@ -63,7 +63,7 @@ def _timed(ask) -> tuple[float, float, str, int]:
 
 def session_row(model, tokenizer, text: str, long_tokens: int = LONG_TOKENS) -> dict:
     """The app's objects in this process: worker.load and session.ask on threads, the app's settings and observer."""
-    worker = DocumentWorker(model, tokenizer, SessionPool(max_bytes=8 * 2**30, idle_s=None), pq_timeout_s=120)
+    worker = DocumentWorker(model, tokenizer, SessionPool(max_bytes=8 * 2**30, idle_s=None))
     stop, updates = threading.Event(), queue.Queue()
 
     def progress(fraction, step):  # what the app's progress callback does: note it for the page's next poll

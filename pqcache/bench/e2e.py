@@ -17,6 +17,7 @@ from pathlib import Path
 
 from pqcache import native
 from pqcache.bench.e2e_turns import failure, run_in_turns, runner_env, spec_file
+from pqcache.engine.config import PQCacheConfig
 from pqcache.fastpath.dtype import available_cpus, dtype_name, resolve_dtype
 from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
 from pqcache.serving.loading import DEFAULT_NAMES, SMOLLM2_NAMES
@@ -70,7 +71,7 @@ def bench_e2e(
     runners=RUNNERS,
     dtype: str | None = None,
     decode_weights: str = DEFAULT_DECODE_WEIGHTS,
-    kv_dtype: str = "auto",
+    kv_dtype: str = PQCacheConfig.kv_dtype,
     decode_tokens: int = 32,
     repeats: int = 1,
     threads: int | None = None,

@@ -47,8 +47,9 @@ def _fresh_copy(store, key: str) -> None:
 
 @torch.no_grad()
 def bench_store(model, tokenizer, seq_lens=(8192, 24576), config=None, root: str | Path | None = None) -> list[dict]:
+    from pqcache.serving.restore import keep_stored
     from pqcache.serving.session import DocumentSession
-    from pqcache.serving.store import DocumentStore, keep_stored
+    from pqcache.serving.store import DocumentStore
 
     config = config or PQCacheConfig()
     device = next(model.parameters()).device

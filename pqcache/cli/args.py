@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from pqcache.engine.config import KV_DTYPES, PQCacheConfig
+from pqcache.engine.config import described
 from pqcache.engine.methods import METHODS
 from pqcache.fastpath.dtype import DTYPE_CHOICES
 from pqcache.fastpath.weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS
@@ -24,16 +24,34 @@ def _budget(text: str):
     return int(value) if value > 1 and value.is_integer() else value
 
 
+def _iters(text: str):
+    return text if text == "auto" else int(text)
+
+
+# how a flag's text becomes the setting, where it is not the default's own type
+PARSERS = {"token_budget": _budget, "kmeans_iters": _iters, "m": int, "bits": int, "n_local": int}
+
+
+def add_engine_flags(parser, names: tuple[str, ...]):
+    """--NAME for each of PQCacheConfig's fields `names`: the default, the choices and the help as the field declares
+    them (engine/config.py), so every command says the same of each setting."""
+    for name in names:
+        spec = described()[name]
+        parse = PARSERS.get(name, type(spec.default))
+        choices = spec.metadata["choices"]
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            type=None if choices else parse,
+            choices=list(choices) if choices else None,
+            default=spec.default,
+            help=spec.metadata["help"],
+        )
+
+
 def add_dtype_flags(parser):
     """--dtype, --decode-weights and --kv-dtype: how the model's weights and its cache are read (shared with
     app.py)."""
-    parser.add_argument(
-        "--kv-dtype",
-        default=PQCacheConfig.kv_dtype,
-        choices=list(KV_DTYPES),
-        help="the host tier's keys and values (default auto: float16 on a CPU running float32, half the bytes; "
-        "model: the model's own dtype)",
-    )
+    add_engine_flags(parser, ("kv_dtype",))
     parser.add_argument(
         "--dtype",
         default=None,
@@ -51,8 +69,19 @@ def add_dtype_flags(parser):
     )
 
 
-def _iters(text: str):
-    return text if text == "auto" else int(text)
+# the engine's settings that `generate` and `chat` set, and `eval`'s
+ANSWER_SETTINGS = (
+    "m",
+    "bits",
+    "rerank",
+    "token_budget",
+    "n_init",
+    "n_local",
+    "kmeans_iters",
+    "block_cache_tokens",
+    "cache_policy",
+)
+EVAL_SETTINGS = ("token_budget", "m", "bits", "n_init", "n_local", "rerank", "chunk_attention")
 
 
 def add_answer_flags(g: argparse.ArgumentParser):
@@ -60,26 +89,7 @@ def add_answer_flags(g: argparse.ArgumentParser):
     g.add_argument("--max-new-tokens", type=int, default=32)
     g.add_argument("--device", default="auto")
     add_dtype_flags(g)
-    g.add_argument("--m", type=int, default=PQCacheConfig.m)
-    g.add_argument("--bits", type=int, default=PQCacheConfig.bits)
-    g.add_argument("--rerank", type=int, default=PQCacheConfig.rerank, help="exact re-rank of rerank x k candidates")
-    g.add_argument(
-        "--token-budget",
-        type=_budget,
-        default=PQCacheConfig.token_budget,
-        help="fraction of the context (default 0.1) or a token count (1024)",
-    )
-    g.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
-    g.add_argument("--n-local", type=int, default=None)
-    g.add_argument("--kmeans-iters", type=_iters, default="auto")
-    g.add_argument(
-        "--block-cache-tokens",
-        type=int,
-        default=PQCacheConfig.block_cache_tokens,
-        help="device block cache per layer, in tokens (0: off; default: 1024 on a GPU, off on a CPU, where the "
-        "device and host tiers are the same memory)",
-    )
-    g.add_argument("--cache-policy", default=PQCacheConfig.cache_policy, choices=["lru", "lfu"])
+    add_engine_flags(g, ANSWER_SETTINGS)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +134,19 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--context-file", type=Path, required=True, help="the document: .txt, .md, .pdf or any text file")
     c.add_argument("--encoding", default=None, help="text encoding of --context-file (default: UTF-8)")
     add_answer_flags(c)
+    c.add_argument(
+        "--store",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="a document store: the document is read from it when it holds it (no prefill), saved to it otherwise, "
+        "and the conversation kept beside it after each answer",
+    )
+    c.add_argument(
+        "--resume",
+        action="store_true",
+        help="with --store: continue the document's last kept conversation (for this method): follow-ups see its turns",
+    )
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     b.add_argument(
@@ -144,9 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=None)
     b.add_argument("--repeats", type=int, default=None)
     b.add_argument("--shapes", choices=["llama", "gemma"], default="llama", help="decode: head shapes")
-    b.add_argument("--m", type=int, default=None, help="attention: sub-spaces (default: from head_dim)")
-    b.add_argument("--bits", type=int, default=None, help="attention: bits per code (default: from the length)")
-    b.add_argument("--rerank", type=int, default=None, help="attention: re-rank factor (default: the config's)")
+    add_engine_flags(b, ("m", "bits", "rerank"))  # attention's
     b.add_argument("--new-tokens", type=int, default=None, help="blockcache (256), conversation (16): tokens generated")
     b.add_argument("--turns", type=int, default=6, help="conversation: turns on one read of the document")
     b.add_argument("--model", default="default", help="ttft, blockcache, conversation, store: the model")
@@ -215,19 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="answer tokens at most (default 24; longbench, ruler, scbench: each case its benchmark's own length)",
     )
-    e.add_argument("--token-budget", type=_budget, default=0.1)
-    e.add_argument("--m", type=int, default=PQCacheConfig.m)
-    e.add_argument("--bits", type=int, default=PQCacheConfig.bits)
-    e.add_argument("--n-init", type=int, default=PQCacheConfig.n_init)
-    e.add_argument("--n-local", type=int, default=None)
+    add_engine_flags(e, EVAL_SETTINGS)
     e.add_argument("--context-tokens", type=int, default=4096, help="recall: essay tokens used")
-    e.add_argument("--rerank", type=int, default=PQCacheConfig.rerank, help="exact re-rank of rerank x k candidates")
-    e.add_argument(
-        "--chunk-attention",
-        choices=["exact", "selected"],
-        default=PQCacheConfig.chunk_attention,
-        help="a question after a cached document: every cached token, or the selection",
-    )
     e.add_argument("--ms", type=_opt_ints, default=(None, 2, 4), help="recall: m values ('auto' for the default)")
     e.add_argument("--bits-list", type=_opt_ints, default=(None, 6, 8), help="recall: bits values ('auto' too)")
     e.add_argument(

@@ -1,6 +1,8 @@
 """`python -m pqcache chat --context-file F`: a conversation about a document in the terminal. The document is read
 once; then each line of standard input is a question (follow-ups see the earlier turns), its answer streamed to
-standard output with the top sources under it; an empty line or the end of input ends it. Plain stdin/stdout, so
+standard output with the top sources under it; an empty line or the end of input ends it. With --store DIR the
+document is read back from the store when it is there, and the conversation is kept beside it after each answer;
+--resume continues the last kept one. Plain stdin/stdout, so
 it can be scripted: `printf 'What is the pass key?\\nAnd the day it was set?\\n' | python -m pqcache chat ...`."""
 
 from __future__ import annotations
@@ -16,15 +18,24 @@ def cmd_chat(args) -> int:
     from pqcache.serving.documents import read_document
     from pqcache.serving.loading import load_model
     from pqcache.serving.session import DocumentSession
+    from pqcache.serving.store import DocumentStore
+    from pqcache.serving.stored_conversations import latest_conversation, save_conversation
 
+    if args.resume and args.store is None:
+        raise InputError("--resume continues a conversation kept in a document store: give --store DIR too")
     text = read_document(str(args.context_file), encoding=args.encoding)  # bad files: one line, exit 2
     model, tok = load_model(
         args.model, device=args.device, dtype=args.dtype, progress=stderr, decode_weights=args.decode_weights
     )
-    session = DocumentSession(model, tok, config_of(args), method=args.method)
+    store = None if args.store is None else DocumentStore(args.store)
+    session = DocumentSession(model, tok, config_of(args), method=args.method, store=store)
     info = session.load(text, progress=lambda fraction, step: None)
-    stderr(f"[{args.method}] read {info['tokens']} tokens in {info['prefill_s']:.1f} s; ask (an empty line ends)")
-    talk = Conversation(session, args.method)
+    how = "from the store, no prefill" if info["from"] == "store" else "prefilled"
+    stderr(f"[{args.method}] read {info['tokens']} tokens in {info['read_s']:.1f} s ({how}); ask (an empty line ends)")
+    record = latest_conversation(store, session.store_key, args.method) if args.resume and session.store_key else None
+    talk = Conversation.replay(session, record) if record else Conversation(session, args.method)
+    if args.resume:
+        stderr(f"[resumed: {len(talk.turns)} earlier turns]" if record else "[no kept conversation: a new one]")
     try:
         for line in sys.stdin:
             question = line.strip()
@@ -45,7 +56,10 @@ def cmd_chat(args) -> int:
             for i, src in enumerate(answer.sources[:3], 1):
                 quote = " ".join(src["text"].split())
                 print(f'  source {i} ({100 * src["share"]:.0f}%): "{quote}"', flush=True)
+            kept = save_conversation(store, session.store_key, talk.record()) if session.store_key else None
             stderr(f"[turn {len(talk.turns)}: {talk.n_tokens:,} tokens in the conversation, {answer.seconds:.1f} s]")
+            if kept:
+                stderr(f"[{kept}]")
     finally:
         talk.close()
         session.close()

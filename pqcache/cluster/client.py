@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 from pqcache.cluster.reopen import Reopener
 from pqcache.cluster.replicas import PROBE_TIMEOUT_S, ForwardedStop, Replica, ReplicaDown
 from pqcache.cluster.views import RemoteDocument, ReplicaError, error_of
-from pqcache.engine.errors import PQCacheError, SessionEvictedError
+from pqcache.engine.errors import NoDocumentError, PQCacheError, SessionEvictedError
+from pqcache.serving.worker import CHAT
 
 LOST = "your document was unloaded: the worker holding it (replica {index}) stopped; load it again"
 
@@ -238,10 +239,10 @@ class ClusterDocuments:
         raise ReplicaError("the worker ended the load without a result")
 
     def _asker(self, user: str, home: Home):
-        def ask(question, method, max_new_tokens, observe):
+        def ask(question, method, max_new_tokens, observe, conversation):
             try:
                 for part in home.replica.stream(
-                    "ask", user, home.incarnation, question, method, max_new_tokens, observe
+                    "ask", user, home.incarnation, question, method, max_new_tokens, observe, conversation
                 ):
                     if part.get("lost"):
                         raise ReplicaDown("another incarnation")
@@ -258,3 +259,62 @@ class ClusterDocuments:
         """The index of the replica holding the user's document (None: none)."""
         home = self.homes.get(user)
         return None if home is None else home.replica.index
+
+    # ---- the user's conversation, on the replica holding their document ------------------------------------
+    def ask(
+        self, user, question, method, max_new_tokens=64, stop=None, observer=None, on_token=None, conversation=CHAT
+    ):
+        """An answer within the user's conversation on their replica (as DocumentWorker.ask)."""
+        document = self.session(user)
+        if document is None:
+            raise NoDocumentError("load a document first")
+        return document.ask(question, method, max_new_tokens, stop, observer, on_token, conversation)
+
+    def add_document(self, user: str, name: str, text: str, method: str, stop=None, conversation=CHAT) -> int:
+        """Read `text` into the user's conversation on their replica; its tokens."""
+        return self._model_work(user, "tokens", "add_document", name, text, method, conversation)
+
+    def resume_conversation(self, user: str, method: str, conversation: str = CHAT, stop=None) -> dict | None:
+        """The document's last kept conversation replayed on the user's replica (as DocumentWorker's)."""
+        return self._model_work(user, "state", "resume_conversation", method, conversation)
+
+    def _model_work(self, user: str, result: str, op: str, *args):
+        """A streamed replica call about the user's document (their incarnation first): its `result`."""
+        if self.session(user) is None:
+            raise NoDocumentError("load a document first")
+        home = self.homes[user]
+        try:
+            for part in home.replica.stream(op, user, home.incarnation, *args):
+                if part.get("lost"):
+                    raise ReplicaDown("another incarnation")
+                if "error" in part:
+                    raise error_of(part)
+                if result in part:
+                    return part[result]
+        except ReplicaDown:
+            self._lose(home)
+            raise SessionEvictedError(LOST.format(index=home.replica.index)) from None
+        raise ReplicaError(f"the worker ended its {op} without a result")
+
+    def fork_conversation(self, user: str, conversation: str = CHAT, into: str = "fork") -> dict:
+        return self._conversation_call(user, "fork_conversation", conversation, into)
+
+    def new_conversation(self, user: str, conversation: str | None = None):
+        self._conversation_call(user, "new_conversation", conversation)
+
+    def conversation_state(self, user: str, conversation: str = CHAT) -> dict | None:
+        return self._conversation_call(user, "conversation_state", conversation)
+
+    def _conversation_call(self, user: str, op: str, *args):
+        """A quick call about the user's conversations on their replica; an error reply raised as the worker's."""
+        home = self.homes.get(user)
+        if home is None:
+            return None
+        try:
+            reply = home.replica.call(op, user, *args)
+        except ReplicaDown:
+            self._lose(home)
+            return None
+        if isinstance(reply, dict) and "error" in reply:
+            raise error_of(reply)
+        return reply

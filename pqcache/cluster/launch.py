@@ -12,10 +12,12 @@ machine needs only the Python packages of requirements.txt and, for --model PATH
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from pqcache.cluster.client import ClusterDocuments
-from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
+from pqcache.serving.loading import DEFAULT_NAMES, SMOLLM2_NAMES
+from pqcache.serving.server_settings import ServerSettings
 
 APP = "pqcache"
 PACKAGE = Path(__file__).resolve().parents[1]  # the pqcache package, uploaded to the cluster
@@ -50,31 +52,21 @@ def connect(address: str | None, **init) -> float:
     return ray.cluster_resources().get("CPU", 0.0)
 
 
-def start_workers(
-    replicas: int,
-    model: str = "default",
-    replica_cpus: float = 1.0,
-    max_bytes: int = 2**30,
-    idle_s: float | None = 1800.0,
-    concurrency: int = 2,
-    pq_timeout_s: float | None = 120.0,
-    max_document_tokens: int | None = None,
-    dtype: str | None = None,
-    decode_weights: str = DEFAULT_DECODE_WEIGHTS,
-    store_dir: str | None = None,
-    kv_dtype: str = "auto",
-) -> ClusterDocuments:
-    """Deploy `replicas` document workers (each loads the model with `dtype` and `decode_weights`, as
-    load_model: waits until all are up) and return the client. store_dir: a document store every replica reads and
-    writes (a path every node sees); a lost replica's users are then reopened from it on a live one."""
+def start_workers(replicas: int, server: ServerSettings, replica_cpus: float = 1.0) -> ClusterDocuments:
+    """Deploy `replicas` document workers, each started with the server's settings whole (each loads the model as
+    load_model does: this waits until all are up), and return the client. server.store_dir: a document store every
+    replica reads and writes (a path every node sees); a lost replica's users are then reopened from it on a live
+    one."""
     from ray import serve
 
     from pqcache.cluster.replica import DocumentReplica
 
     if replicas < 1:
         raise ValueError(f"replicas must be 1 or more, got {replicas}")
-    if model not in ("default", "gemma3-270m"):
-        model = os.path.abspath(model)  # the same path on every machine
+    if server.model not in DEFAULT_NAMES + SMOLLM2_NAMES:  # a bundled model is found by name on every machine
+        server = replace(server, model=os.path.abspath(server.model))  # the same path on every machine
+    if server.store_dir is not None:
+        server = replace(server, store_dir=os.path.abspath(server.store_dir))
     options = dict(
         num_replicas=1,
         max_ongoing_requests=1000,  # Stop and status calls must never queue behind loads: the replica limits those
@@ -84,26 +76,13 @@ def start_workers(
     )
     worker = serve.deployment(DocumentReplica)
     workers = [
-        worker.options(name=worker_name(i), **options).bind(
-            model,
-            max_bytes,
-            idle_s,
-            concurrency,
-            pq_timeout_s,
-            max_document_tokens,
-            max(1, int(replica_cpus)),
-            dtype,
-            decode_weights,
-            None if store_dir is None else os.path.abspath(store_dir),
-            kv_dtype,
-        )
-        for i in range(replicas)
+        worker.options(name=worker_name(i), **options).bind(server, max(1, int(replica_cpus))) for i in range(replicas)
     ]
     roster = serve.deployment(Roster).options(name="roster", ray_actor_options={"num_cpus": 0})
     serve.start(proxy_location="Disabled")
     serve.run(roster.bind(*workers), name=APP, route_prefix=None)
     handles = [serve.get_deployment_handle(worker_name(i), app_name=APP) for i in range(replicas)]
-    return ClusterDocuments(handles, shared_store=store_dir is not None)
+    return ClusterDocuments(handles, shared_store=server.store_dir is not None)
 
 
 def stop_workers():

@@ -1,7 +1,8 @@
 """A user's document back after its replica died: the app keeps each user's last load (its name, text and
 settings) and, when the replica holding it is lost, loads it again on a live replica, where the document store (a
 folder every replica reads and writes: a shared filesystem across machines, a local folder on one) holds its cache,
-so the reopen reads it back with no prefill. The user is told once, in the notice or the question that found it out.
+so the reopen reads it back with no prefill, and the conversation kept beside it is replayed: the next follow-up sees
+the earlier turns. The user is told once, in the notice or the question that found it out.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pqcache.engine.errors import PQCacheError
 
 REOPENED = (
     "The worker holding your document (replica {old}) stopped; it was reopened on replica {new} in {seconds:.1f} s "
-    "({how})."
+    "({how}){talk}."
 )
 
 
@@ -48,11 +49,17 @@ class Reopener:
             document = self.documents.load(user, *last)
         except PQCacheError:
             return None
+        try:  # the conversation kept beside it, turn by turn, comes back with it
+            state = self.documents.resume_conversation(user, last[2].method)
+        except PQCacheError:
+            state = None
+        talk = f"; your conversation came back with it ({len(state['asked'])} question(s))" if state else ""
         info = getattr(document, "info", None) or {}
         how = "read from the document store, no prefill" if info.get("from") == "store" else "read from its text"
         new = self.documents.replica_of(user)
+        seconds = time.perf_counter() - t0
         with self.lock:
-            self.told[user] = REOPENED.format(old=old_index, new=new, seconds=time.perf_counter() - t0, how=how)
+            self.told[user] = REOPENED.format(old=old_index, new=new, seconds=seconds, how=how, talk=talk)
         return document
 
     def line(self, user: str) -> str | None:

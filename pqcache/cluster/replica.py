@@ -19,7 +19,8 @@ import time
 import uuid
 
 from pqcache.cluster.views import document_view, message_of
-from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
+from pqcache.serving.server_settings import ServerSettings
+from pqcache.serving.worker import CHAT
 
 STREAM_EVERY_S = 0.25  # the growing answer is sent at most this often
 PANELS_EVERY_S = 1.0  # the panels' new records at most this often
@@ -61,42 +62,46 @@ def resident_mib() -> float | None:
         return None
 
 
+STOPPED = {"error": "stopped", "cancelled": True}  # a Stop came before a model slot was free
+STOPPED_ANSWER = {"answer": {"text": "", "tokens": [], "stopped": True, "ended": "stopped"}}  # the same, for an answer
+# what crosses to the app of an Answer (serving/session.py)
+ANSWER_FIELDS = (
+    "text",
+    "tokens",
+    "seconds",
+    "first_s",
+    "generated",
+    "stopped",
+    "ended",
+    "sources",
+    "attended",
+    "missed",
+    "reread_s",
+    "note",
+)
+
+
 class DocumentReplica:
     """The Serve deployment's class (pqcache.cluster.launch deploys it, one deployment per replica)."""
 
-    def __init__(
-        self,
-        model: str = "default",
-        max_bytes: int = 2**30,
-        idle_s: float | None = 1800.0,
-        concurrency: int = 2,
-        pq_timeout_s: float | None = 120.0,
-        max_document_tokens: int | None = None,
-        threads: int = 1,
-        dtype: str | None = None,
-        decode_weights: str = DEFAULT_DECODE_WEIGHTS,
-        store_dir: str | None = None,
-        kv_dtype: str = "auto",  # PQCacheConfig.kv_dtype: the host tier's keys and values
-    ):
-        """store_dir: the document store's folder, the same for every replica (a filesystem all machines share)."""
+    def __init__(self, server: ServerSettings, threads: int = 1):
+        """server: the app's settings, whole (its store_dir a folder every replica sees: a filesystem all machines
+        share); threads: torch's, the CPUs this replica reserves."""
         import torch
 
         from pqcache import load_model
-        from pqcache.serving.pool import SessionPool, limit_malloc_arenas
-        from pqcache.serving.store import DocumentStore
+        from pqcache.serving.pool import limit_malloc_arenas
         from pqcache.serving.worker import DocumentWorker
 
         torch.set_num_threads(max(1, threads))
         limit_malloc_arenas()
         said = lambda msg: print(msg, flush=True)  # noqa: E731  (the replica's log)
-        model, tokenizer = load_model(model, device="cpu", dtype=dtype, decode_weights=decode_weights, progress=said)
-        pool = SessionPool(max_bytes=max_bytes, idle_s=idle_s)
-        if pool.idle_s is not None:
-            pool.start_reaper(every_s=min(5.0, pool.idle_s / 4))
-        store = None if store_dir is None else DocumentStore(store_dir)
-        self.worker = DocumentWorker(model, tokenizer, pool, pq_timeout_s, max_document_tokens, store, kv_dtype)
+        model, tokenizer = load_model(
+            server.model, device="cpu", dtype=server.dtype, decode_weights=server.decode_weights, progress=said
+        )
+        self.worker = DocumentWorker(model, tokenizer, server.make_pool(), server, server.open_store())
         self.incarnation = uuid.uuid4().hex[:12]
-        self.slots = threading.Semaphore(max(1, concurrency))
+        self.slots = threading.Semaphore(max(1, server.concurrency))
         self.waiting = 0  # requests waiting for a model slot
         self.lock = threading.Lock()
         self.docs = iter(range(1, 2**62))  # a number per loaded document, so the app knows when it changed
@@ -170,94 +175,110 @@ class DocumentReplica:
             with self.lock:
                 self.waiting -= 1
 
-    async def load(self, user: str, name: str, text: str, settings):
-        """Stream {"incarnation"} first, then {"progress": [fraction, step]}..., then {"view": ...} or {"error"}."""
+    def _model_work(self, user: str, job, stopped: dict, waiting=None):
+        """Stream what job(emit, stop) emits, run on a thread of its own once a model slot is free (waiting(emit, n)
+        while none is, n requests ahead; `stopped` emitted when a Stop came first); an error goes back as a message,
+        and the user's session stays usable."""
         entry = self.worker.entry(user)
-        entry.stop.clear()  # an old Stop (after an unload, say) must not end this load; the app forwards a new one
-        yield {"incarnation": self.incarnation}
 
         def work(emit):
-            def progress(fraction, step):
-                emit({"progress": [fraction, step]})
-
             with self.worker.use(user):
-                slot = self._model_slot(
-                    entry.stop, lambda n: progress(0.0, f"waiting for a model slot on this worker ({n} ahead)")
-                )
-                if not slot:
-                    emit({"error": "stopped", "cancelled": True})
+                if not self._model_slot(entry.stop, lambda n: waiting and waiting(emit, n)):
+                    emit(stopped)
                     return
                 try:
-                    session = self.worker.load(user, name, text, settings, progress, entry.stop)
-                    session.doc_number = next(self.docs)
-                    emit({"view": {**document_view(session), "doc": session.doc_number}})
+                    job(emit, entry.stop)
                 except Exception as exc:  # noqa: BLE001 - every error goes back as a message
                     emit(message_of(exc))
                 finally:
                     self.slots.release()
 
-        async for item in streamed(work, entry.stop):
+        return streamed(work, entry.stop)
+
+    async def load(self, user: str, name: str, text: str, settings):
+        """Stream {"incarnation"} first, then {"progress": [fraction, step]}..., then {"view": ...} or {"error"}."""
+        self.worker.entry(user).stop.clear()  # an old Stop (after an unload, say) must not end this load
+        yield {"incarnation": self.incarnation}
+
+        def job(emit, stop):
+            def progress(fraction, step):
+                emit({"progress": [fraction, step]})
+
+            session = self.worker.load(user, name, text, settings, progress, stop)
+            session.doc_number = next(self.docs)
+            emit({"view": {**document_view(session), "doc": session.doc_number}})
+
+        def waiting(emit, n):
+            emit({"progress": [0.0, f"waiting for a model slot on this worker ({n} ahead)"]})
+
+        async for item in self._model_work(user, job, STOPPED, waiting):
             yield item
 
-    async def ask(self, user: str, incarnation: str, question: str, method: str, max_new_tokens: int, observe: dict):
+    async def ask(
+        self, user: str, incarnation: str, question: str, method: str, max_new_tokens: int, observe: dict, talk=CHAT
+    ):
         """Stream {"text", "panels"} while the answer grows, then {"answer", "last_stats", "panels"} or
         {"error"}; {"lost": True} when the document died with another incarnation."""
         if incarnation != self.incarnation:
             yield {"lost": True}
             return
-        entry = self.worker.entry(user)
 
-        def work(emit):
+        def job(emit, stop):
             from pqcache import Instrumentation
 
-            with self.worker.use(user):
-                if not self._model_slot(entry.stop, lambda n: None):
-                    emit({"answer": {"text": "", "tokens": [], "stopped": True, "ended": "stopped"}})
-                    return
-                try:
-                    session = self.worker.session(user)
-                    if session is None:
-                        emit({"error": "load a document first", "kind": "NoDocumentError"})
-                        return
-                    obs, counts, sent = Instrumentation(**observe), {}, [0.0, 0.0]
+            obs, counts, sent = Instrumentation(**observe), {}, [0.0, 0.0]
 
-                    def on_token(answer):
-                        now = time.perf_counter()
-                        if now - sent[0] >= STREAM_EVERY_S:
-                            sent[0], part = now, {"text": answer.text}
-                            if now - sent[1] >= PANELS_EVERY_S:
-                                sent[1], part["panels"] = now, obs.since(counts)
-                            emit(part)
+            def on_token(answer):
+                now = time.perf_counter()
+                if now - sent[0] >= STREAM_EVERY_S:
+                    sent[0], part = now, {"text": answer.text}
+                    if now - sent[1] >= PANELS_EVERY_S:
+                        sent[1], part["panels"] = now, obs.since(counts)
+                    emit(part)
 
-                    answer = session.ask(
-                        question, method, max_new_tokens, stop=entry.stop, observer=obs, on_token=on_token
-                    )
-                    emit(
-                        {
-                            "answer": {
-                                k: getattr(answer, k)
-                                for k in (
-                                    "text",
-                                    "tokens",
-                                    "seconds",
-                                    "first_s",
-                                    "generated",
-                                    "stopped",
-                                    "ended",
-                                    "sources",
-                                    "attended",
-                                    "missed",
-                                    "reread_s",
-                                )
-                            },
-                            "last_stats": session.last_stats,
-                            "panels": obs.since(counts),
-                        }
-                    )
-                except Exception as exc:  # noqa: BLE001 - the session stays usable
-                    emit(message_of(exc))
-                finally:
-                    self.slots.release()
+            answer = self.worker.ask(user, question, method, max_new_tokens, stop, obs, on_token, conversation=talk)
+            fields = {name: getattr(answer, name) for name in ANSWER_FIELDS}
+            emit({"answer": fields, "last_stats": self.worker.session(user).last_stats, "panels": obs.since(counts)})
 
-        async for item in streamed(work, entry.stop):
+        async for item in self._model_work(user, job, STOPPED_ANSWER):
             yield item
+
+    # ---- the user's conversation, beside their document -------------------------------------------------
+    async def add_document(self, user: str, incarnation: str, name: str, text: str, method: str, talk=CHAT):
+        """Stream {"tokens": n} once `text` is read into the user's conversation, or {"error"}; {"lost": True} when
+        the document died with another incarnation."""
+        if incarnation != self.incarnation:
+            yield {"lost": True}
+            return
+
+        def job(emit, stop):
+            emit({"tokens": self.worker.add_document(user, name, text, method, stop, talk)})
+
+        async for item in self._model_work(user, job, STOPPED):
+            yield item
+
+    async def resume_conversation(self, user: str, incarnation: str, method: str, talk=CHAT):
+        """Stream {"state": ...} once the document's last kept conversation is replayed (None: none kept), or
+        {"error"}; {"lost": True} when the document died with another incarnation."""
+        if incarnation != self.incarnation:
+            yield {"lost": True}
+            return
+
+        def job(emit, stop):
+            emit({"state": self.worker.resume_conversation(user, method, talk, stop)})
+
+        async for item in self._model_work(user, job, STOPPED):
+            yield item
+
+    async def fork_conversation(self, user: str, conversation: str, into: str) -> dict:
+        try:
+            return self.worker.fork_conversation(user, conversation, into)
+        except Exception as exc:  # noqa: BLE001 - said to the app as a message
+            return message_of(exc)
+
+    async def new_conversation(self, user: str, conversation: str | None = None) -> bool:
+        self.worker.new_conversation(user, conversation)
+        return True
+
+    async def conversation_state(self, user: str, conversation: str = CHAT) -> dict | None:
+        return self.worker.conversation_state(user, conversation)

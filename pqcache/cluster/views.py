@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled, NoDocumentError, PQCacheError, SessionEvictedError
+from pqcache.serving.worker import CHAT
 
 
 class ReplicaError(PQCacheError):
@@ -87,18 +88,19 @@ class RemoteDocument:
         if view["prefill_panels"] is not None:
             self.prefill_obs = Instrumentation()
             self.prefill_obs.merge(view["prefill_panels"])
-        self._asker = asker  # asker(question, method, max_new_tokens, observe) -> the replica's stream
+        self._asker = asker  # asker(question, method, max_new_tokens, observe, conversation) -> the replica's stream
 
-    def ask(self, question, method=None, max_new_tokens=64, stop=None, observer=None, on_token=None):
-        """As DocumentSession.ask: the answer streams from the replica; on_token(answer) as its text grows, the
-        observer gets the replica's records. A set `stop` reaches the replica through the user's stop event."""
+    def ask(self, question, method=None, max_new_tokens=64, stop=None, observer=None, on_token=None, conversation=CHAT):
+        """As DocumentWorker.ask: the answer, within the user's conversation on the replica, streams from it;
+        on_token(answer) as its text grows, the observer gets the replica's records. A set `stop` reaches the replica
+        through the user's stop event."""
         from pqcache.serving.session import Answer
 
         observe = {}
         if observer is not None:
             observe = {k: getattr(observer, k) for k in ("timeline", "attention_every", "recall_every", "selections")}
         answer = Answer()
-        for part in self._asker(question, method or self.method, max_new_tokens, observe):
+        for part in self._asker(question, method or self.method, max_new_tokens, observe, conversation):
             if "error" in part:
                 raise error_of(part)
             if observer is not None and "panels" in part:

@@ -3,12 +3,24 @@
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 from pqcache.engine.errors import PQCacheConfigError
 
 DEVICE_BLOCK_CACHE_TOKENS = 1024  # the block cache's capacity where block_cache_tokens is None, on an accelerator
 KV_DTYPES = ("auto", "model", "float32", "float16", "bfloat16")  # kv_dtype's choices
+
+
+def setting(default, help: str, label: str | None = None, choices: tuple | None = None):
+    """A field of PQCacheConfig with what a person reads about it: `help` (what it is, its unit and range: the command
+    line's flag help), `label` (its name on the app's load form, where the form shows it) and `choices` (the values
+    it takes, also what config_errors checks)."""
+    return field(default=default, metadata={"help": help, "label": label, "choices": choices})
+
+
+def described() -> dict:
+    """PQCacheConfig's fields that a person sets by name (a flag, a form field): name -> the field."""
+    return {f.name: f for f in fields(PQCacheConfig) if f.metadata.get("help")}
 
 
 def _is_int(x) -> bool:
@@ -22,28 +34,36 @@ class PQCacheConfig:
     # None (default) chooses from the model and the context (see for_head_dim and bits_for):
     #   m: sub-spaces of at most 64 dimensions (the paper's Llama setting: m=2 for 128-dim heads);
     #   bits: the most (<= 8) whose codes and float32 centroids stay within 1/16 of the fp16 keys.
-    m: int | None = None
-    bits: int | None = None
+    m: int | None = setting(None, "PQ sub-spaces per key (default: from the head size, sub-spaces of at most 64 dims)")
+    bits: int | None = setting(None, "bits per PQ code, 1 to 8 (default: from the document's length)")
     # Tokens attended per decode step (sinks + top-k + local window), either a fraction of the
     # context in (0, 1] or an absolute count >= 1. The paper evaluates 1/5 and 1/10; 1/10 is the product's promise
     # and what the quality guard measures (docs/results.md), and half the bytes a decode step reads at 1/5.
-    token_budget: float | int = 0.1
-    n_init: int = 32  # attention-sink tokens always kept on the device
+    token_budget: float | int = setting(
+        0.1, "tokens attended per step: a fraction of the context (default 0.1) or a count (1024)", "token budget"
+    )
+    n_init: int = setting(32, "attention-sink tokens, always attended (kept on the device)", "sink tokens")
     # Recent window kept exactly on the device. None: `local_ratio` of what the budget leaves after
     # the sinks (official code: half local, half top-k).
-    n_local: int | None = None
+    n_local: int | None = setting(
+        None, "recent tokens always attended (default: half of what the budget leaves after the sinks)", "window"
+    )
     local_ratio: float = 0.5
     # K-Means iterations: an int, or "auto" for the adaptive count of the calibration fit.
-    kmeans_iters: int | str = "auto"
+    kmeans_iters: int | str = setting("auto", "K-Means iterations: a number, or auto (this machine's calibrated rule)")
     # "l2": Lloyd K-Means + nearest-centroid codes (minimises reconstruction error, the paper's choice);
     # "ip": spherical K-Means + max-inner-product codes.
-    metric: str = "l2"
+    metric: str = setting(
+        "l2", "K-Means and codes: l2 (Lloyd, nearest centroid) or ip (spherical)", choices=("l2", "ip")
+    )
     # How the query heads sharing one KV head combine their approximate scores:
     # "softmax_sum" (official code: softmax per query head, then sum), or "sum" (raw scores summed).
-    gqa_combine: str = "softmax_sum"
+    gqa_combine: str = setting(
+        "softmax_sum", "how a KV head's query heads combine their scores", choices=("softmax_sum", "sum")
+    )
     # Two-stage search: PQ scores pick rerank x k candidates, their exact scores (computed on the host
     # tier, where the keys are) pick the k attended. 1: the paper's single-stage search.
-    rerank: int = 4
+    rerank: int = setting(4, "exact re-rank of rerank x k PQ candidates (1: PQ scores alone)")
     # OPQ: learn an orthogonal rotation of each (row, KV head)'s keys before PQ (faiss OPQMatrix);
     # queries are rotated too, on the host where the rotations are kept.
     opq: bool = False
@@ -53,7 +73,11 @@ class PQCacheConfig:
     # A chunk of several tokens after the prefill (a question asked about a cached document):
     # "exact" attends to every cached token, as a prefill of document + question would (the official
     # pipeline's way); "selected" uses the method's selection, as decoding does.
-    chunk_attention: str = "exact"
+    chunk_attention: str = setting(
+        "exact",
+        "a question after a cached document attends to every cached token (exact) or to the selection (selected)",
+        choices=("exact", "selected"),
+    )
     seed: int = 1234
     # Device block cache (per layer): blocks of `block_size` tokens, `block_cache_tokens` capacity
     # (0 = off), up to `block_admit` blocks admitted per step, "lfu" (official) or "lru" eviction.
@@ -61,9 +85,14 @@ class PQCacheConfig:
     # same memory: there the cache saves no transfer and its bookkeeping cost 3-5% of a decode step.
     # The app sets it explicitly: its panel shows what the cache does on a GPU.
     block_size: int = 128
-    block_cache_tokens: int | None = None
+    block_cache_tokens: int | None = setting(
+        None,
+        "device block cache per layer, in tokens (0: off; default: 1024 on a GPU, off on a CPU, where the device "
+        "and host tiers are the same memory)",
+        "block cache (tokens)",
+    )
     block_admit: int = 2
-    cache_policy: str = "lfu"
+    cache_policy: str = setting("lfu", "block-cache eviction", "block-cache policy", choices=("lfu", "lru"))
     # Re-cluster all keys every N generated tokens (None = never, codes of new tokens come from the
     # existing centroids). A multi-token chunk of at least `turn_min_tokens` after the prefill (a new
     # user turn) gets K-Means of its own, its codes appended under its own centroids.
@@ -73,14 +102,21 @@ class PQCacheConfig:
     # wait forever), is a fault: "exact" makes the layer attend to every token from then on and
     # reports it in stats()["notices"]; "raise" raises PQBuildError.
     pq_timeout_s: float | None = 300.0
-    on_pq_failure: str = "exact"
+    on_pq_failure: str = setting(
+        "exact", "a failed K-Means build: attend to every token (exact) or raise", choices=("exact", "raise")
+    )
     # The full-attention layers' keys and values in the host tier. "auto": float16 where the model computes in
     # float32 on a CPU (half the bytes a token of float32, which a decode step reads; the native kernels widen each
     # row to float32 as they read it), the model's own dtype elsewhere. "model": the model's dtype (float32 on a
     # CPU: the behaviour before this setting). Or "float32", "float16", "bfloat16". Each key and value is rounded to
     # it as it is stored, so every tier (host, window, block cache) and the prefill's own attention read the same
     # numbers; the window and block cache keep them in the model's dtype (a step's working buffers).
-    kv_dtype: str = "auto"
+    kv_dtype: str = setting(
+        "auto",
+        "the host tier's keys and values (default auto: float16 on a CPU running float32, half the bytes; model: "
+        "the model's own dtype)",
+        choices=KV_DTYPES,
+    )
 
     def __post_init__(self):
         errors = config_errors(self)
@@ -192,12 +228,10 @@ def config_errors(config: PQCacheConfig) -> list[str]:
     k = config.kmeans_iters
     if not (k == "auto" or (_is_int(k) and k >= 1)):
         errors.append(f"kmeans_iters must be 'auto' or an int >= 1, got {k!r}")
-    if config.metric not in ("l2", "ip"):
-        errors.append(f"metric must be 'l2' or 'ip', got {config.metric!r}")
-    if config.gqa_combine not in ("softmax_sum", "sum"):
-        errors.append(f"gqa_combine must be 'softmax_sum' or 'sum', got {config.gqa_combine!r}")
-    if config.chunk_attention not in ("exact", "selected"):
-        errors.append(f"chunk_attention must be 'exact' or 'selected', got {config.chunk_attention!r}")
+    for name in ("metric", "gqa_combine", "chunk_attention", "cache_policy", "on_pq_failure", "kv_dtype"):
+        choices, value = described()[name].metadata["choices"], getattr(config, name)
+        if value not in choices:
+            errors.append(f"{name} must be one of {', '.join(choices)}, got {value!r}")
     if not _is_int(config.rerank_min_tokens) or config.rerank_min_tokens < 0:
         errors.append(f"rerank_min_tokens must be an int >= 0, got {config.rerank_min_tokens!r}")
     if not isinstance(config.opq, bool):
@@ -217,8 +251,6 @@ def config_errors(config: PQCacheConfig) -> list[str]:
         )
     if not _is_int(config.block_admit) or config.block_admit < 1:
         errors.append(f"block_admit must be an int >= 1, got {config.block_admit!r}")
-    if config.cache_policy not in ("lru", "lfu"):
-        errors.append(f"cache_policy must be 'lru' or 'lfu', got {config.cache_policy!r}")
     if config.rebuild_every is not None and (not _is_int(config.rebuild_every) or config.rebuild_every < 1):
         errors.append(f"rebuild_every must be None or an int >= 1, got {config.rebuild_every!r}")
     if not _is_int(config.turn_min_tokens) or config.turn_min_tokens < 1:
@@ -232,8 +264,4 @@ def config_errors(config: PQCacheConfig) -> list[str]:
     t = config.pq_timeout_s
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not t > 0):
         errors.append(f"pq_timeout_s must be None or a number of seconds > 0, got {t!r}")
-    if config.on_pq_failure not in ("exact", "raise"):
-        errors.append(f"on_pq_failure must be 'exact' or 'raise', got {config.on_pq_failure!r}")
-    if config.kv_dtype not in KV_DTYPES:
-        errors.append(f"kv_dtype must be one of {', '.join(KV_DTYPES)}, got {config.kv_dtype!r}")
     return errors

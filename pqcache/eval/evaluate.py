@@ -22,8 +22,8 @@ from pqcache.engine.sources import AttentionTally
 from pqcache.eval import case_formats, case_sources, longbench, ruler_format
 from pqcache.eval.case_formats import CaseError, load_cases  # noqa: F401  (evaluate's API)
 from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
+from pqcache.serving.restore import load_or_restore
 from pqcache.serving.stopping import looping
-from pqcache.serving.store import keep_stored, read_stored
 
 # the case fields not copied into its rows (the texts, and what only the prompt or the score needs)
 NOT_IN_ROWS = ("context", "question", "answers", "needle", "prompt", "all_classes")
@@ -114,19 +114,25 @@ def run_case(
     if case.get("format", "pqcache") == "pqcache":  # the builder's prompt: sources map to the context's characters
         spans, evidence = case_sources.spans_and_evidence(tokenizer, case, int(ctx_ids.shape[1]))
     t0 = time.perf_counter()
-    stored, logits = None, None
-    if store is not None and not case.get("query_aware", True):  # the context alone is cached: it can be stored
-        stored = read_stored(store, model, tokenizer, config, "pqcache", True, ctx_ids[0].tolist())
-    if stored is not None and stored[0] is not None:
+    first_logits = []
+
+    def from_text():
+        first_logits.append(prefill(model, prefill_ids, base))
+        base.wait()
+        return base
+
+    # the context alone is cached (the question is not prefilled with it): it can be read from the store
+    stored = store if not case.get("query_aware", True) else None
+    loaded = load_or_restore(
+        stored, model, tokenizer, config, "pqcache", True, ctx_ids[0].tolist(), from_text, case["context"]
+    )
+    if loaded.cache is not base:
         base.close()
-        base = stored[0]
-    else:
-        logits = prefill(model, prefill_ids, base)
+        base = loaded.cache
     base.wait()
     prefill_s = time.perf_counter() - t0
-    if stored is not None and stored[0] is None:
-        keep_stored(store, stored[1], base, ctx_ids[0].tolist(), case["context"])
-    read_from = "store" if stored is not None and stored[0] is not None else "prefill"
+    logits = first_logits[0] if first_logits else None
+    read_from = loaded.read_from
     eos = eos_token_ids(model, tokenizer)
     extra = {k: v for k, v in case.items() if k not in NOT_IN_ROWS}
     rows = []

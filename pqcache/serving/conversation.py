@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -29,7 +30,7 @@ import torch
 from pqcache.engine.errors import Cancelled, InputError, NoDocumentError
 from pqcache.engine.instrument import Instrumentation
 from pqcache.engine.sources import AttentionTally
-from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill
+from pqcache.serving.generate import decode_n_tokens, decode_one_token, eos_token_ids, prefill
 from pqcache.serving.hooks import layer_hooks
 
 
@@ -53,6 +54,10 @@ class Conversation:
     turns: list[Turn] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # every token read after the document, in order
     open_user_turn: bool = False  # an added document was read into a user turn the next question closes
+    # what was read into the cache, in order: ("read", ids) for a chunk (a question, a document, a given answer),
+    # ("fed", ids) for decoded tokens read one at a time: replaying it rebuilds the same cache (record, replay)
+    log: list = field(default_factory=list)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # its name in the document store
 
     def __post_init__(self):
         if self.cache is None:
@@ -79,8 +84,9 @@ class Conversation:
                 f"at most {self.limit:,}: start a new conversation (the document stays loaded)"
             )
 
-    def _read(self, ids: torch.Tensor, stop: threading.Event | None) -> torch.Tensor:
-        """ids (1, Q) read into the cache -> the next token's logits (1, V); the tokens kept in `ids`."""
+    def _read(self, ids: torch.Tensor, stop: threading.Event | None, kind: str) -> torch.Tensor:
+        """ids (1, Q) read into the cache -> the next token's logits (1, V); the tokens kept in `ids`, the read in
+        `log` as `kind` ("ask", "document" or "tell")."""
         session = self.session
         try:
             with session.lock, layer_hooks(session.model, None, stop):
@@ -89,7 +95,13 @@ class Conversation:
             self.reset()
             raise
         self.ids.extend(int(t) for t in ids[0])
+        self.log.append((kind, [int(t) for t in ids[0]]))
         return logits
+
+    def split_tiers(self):
+        """The budget follows the conversation: sinks, top-k and window split anew for its length, each question."""
+        for layer in self.cache.pq_layers:
+            layer.split_tiers()
 
     def question_ids(self, question: str) -> torch.Tensor:
         """(1, Q): what ask(question) reads after the cache (the first question's part, or a follow-up's)."""
@@ -123,8 +135,7 @@ class Conversation:
         q_ids = self.question_ids(question)
         self._check_room(q_ids.shape[1] + max_new_tokens, "this question and its answer")
         before = len(self.ids)
-        for layer in self.cache.pq_layers:  # the budget follows the conversation: split anew for its length
-            layer.split_tiers()
+        self.split_tiers()
         self.cache.instrument(observer)
         tally = self.cache.tally_sources(AttentionTally(session.n_tokens))  # sources in the first document
         answer, t0 = Answer(), time.perf_counter()
@@ -139,7 +150,7 @@ class Conversation:
 
         try:
             try:
-                logits = self._read(q_ids, stop)
+                logits = self._read(q_ids, stop, "ask")
             except Cancelled:  # stopped while reading the question: the conversation went back to the document
                 answer.stopped, answer.ended, answer.done = True, "stopped", True
                 return answer
@@ -154,6 +165,7 @@ class Conversation:
                 answer.generated = decoded.generated
                 answer.text = session.tokenizer.decode(answer.tokens, skip_special_tokens=True)
                 self.ids.extend(decoded.fed)
+                self.log.append(("fed", list(decoded.fed)))
             answer.seconds = time.perf_counter() - t0
         finally:
             session.last_stats = self.cache.stats()
@@ -177,7 +189,7 @@ class Conversation:
         part = prompt.follow_up(question, self.open_user_turn) if asked else prompt.question(question)
         ids = prompt.ids(part + " " + answer.strip())
         self._check_room(ids.shape[1], "this turn")
-        self._read(ids, stop)
+        self._read(ids, stop, "tell")
         self.open_user_turn = False
         self.turns.append(Turn("question", question, answer.strip(), int(ids.shape[1])))
 
@@ -192,7 +204,7 @@ class Conversation:
         asked = any(t.kind == "question" for t in self.turns)
         ids = prompt.ids(prompt.added_document(text) if asked else "\n\n" + text.strip())
         self._check_room(ids.shape[1] + 1, f"{name} ({ids.shape[1]:,} tokens)")
-        self._read(ids, stop)
+        self._read(ids, stop, "document")
         self.cache.wait()  # its codebook, as a load waits for the document's
         self.open_user_turn = True
         self.turns.append(Turn("document", name, tokens=int(ids.shape[1])))
@@ -201,15 +213,52 @@ class Conversation:
     # ---- branches --------------------------------------------------------------------------------------------
     def fork(self) -> Conversation:
         """A copy of the conversation so far that goes its own way (the document's tiers are shared)."""
+        turns = [Turn(**vars(t)) for t in self.turns]
+        cache = self.cache.fork(self.method)
         return Conversation(
-            self.session, self.method, self.cache.fork(self.method), [Turn(**vars(t)) for t in self.turns],
-            list(self.ids), self.open_user_turn,
-        )  # fmt: skip
+            self.session, self.method, cache, turns, list(self.ids), self.open_user_turn, list(self.log)
+        )
 
     def reset(self):
         """Back to the document alone (its prefill kept)."""
         self.cache.close()
-        self.cache, self.turns, self.ids, self.open_user_turn = self.session.cache.fork(self.method), [], [], False
+        self.cache = self.session.cache.fork(self.method)
+        self.turns, self.ids, self.log, self.open_user_turn = [], [], [], False
+
+    # ---- kept and read back -----------------------------------------------------------------------------------
+    def record(self) -> dict:
+        """The conversation as plain data (the document store keeps it beside the document's entry)."""
+        turns = [vars(t) for t in self.turns]
+        return {"id": self.id, "method": self.method, "turns": turns, "log": self.log, "open": self.open_user_turn}
+
+    @classmethod
+    @torch.no_grad()
+    def replay(cls, session, record: dict, stop: threading.Event | None = None) -> Conversation:
+        """A recorded conversation on `session` (the same document): its reads and its decoded tokens run again in
+        the same order through the same calls, so its cache is the cache the turns left, and the next answer is the
+        one it would have been."""
+        talk = cls(session, record["method"], id=record["id"])
+        try:
+            for kind, ids in record["log"]:
+                if kind != "fed":  # a chunk, read as ask, add_document and tell read it
+                    if kind == "ask":
+                        talk.split_tiers()
+                    talk._read(torch.tensor([ids]), stop, kind)
+                    if kind == "document":
+                        talk.cache.wait()
+                    continue
+                with layer_hooks(session.model, None, stop):
+                    for tid in ids:
+                        with session.lock:
+                            decode_one_token(session.model, torch.tensor([[tid]], device=session.device), talk.cache)
+                        talk.ids.append(tid)
+                talk.log.append(("fed", list(ids)))
+        except BaseException:
+            talk.close()
+            raise
+        talk.turns = [Turn(**t) for t in record["turns"]]
+        talk.open_user_turn = record["open"]
+        return talk
 
     def close(self):
         if self.cache is not None:

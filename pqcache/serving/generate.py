@@ -222,31 +222,34 @@ def generate(
     parts = [ids.to(device) for ids in parts]
     cache = PQCache(model, config or PQCacheConfig(), method=method) if document else make_cache(model, method, config)
     t0 = time.perf_counter()
-    stored, read_from, note = None, "prefill", None
-    if document and store is not None:
-        from pqcache.serving.store import keep_stored, read_stored
+    tally, loaded = None, None
+    if document:  # the document is cached (from the store, or prefilled and its PQ built) before the question
+        from pqcache.serving.restore import load_or_restore
 
-        stored = read_stored(store, model, tokenizer, config or PQCacheConfig(), method, False, parts[0][0].tolist())
-    if stored is not None and stored[0] is not None:  # the document read back: no prefill, no K-Means
-        cache.close()
-        cache, read_from = stored[0], "store"
-    else:
-        logits = prefill(model, parts[0], cache)
-    tally = None
-    if document:  # the document is cached: its PQ is built before the question, as a session's load waits for it
-        cache.wait()
-        prefill_s = time.perf_counter() - t0
-        if stored is not None and read_from == "prefill":  # kept for the next time (a failure is said, not raised)
-            note = keep_stored(store, stored[1], cache, parts[0][0].tolist(), prompt.source) or stored[3]
+        def from_text():
+            prefill(model, parts[0], cache)
+            cache.wait()
+            return cache
+
+        doc_ids = parts[0][0].tolist()
+        settings = config or PQCacheConfig()
+        loaded = load_or_restore(store, model, tokenizer, settings, method, False, doc_ids, from_text, prompt.source)
+        if loaded.cache is not cache:  # the document read back: no prefill, no K-Means
+            cache.close()
+            cache = loaded.cache
+            cache.wait()
+        prefill_s = loaded.seconds
         tally = cache.tally_sources(AttentionTally(parts[0].shape[1])) if sources else None
         t0 = time.perf_counter() - prefill_s  # the question's time starts here, after the save
         logits = prefill(model, parts[1], cache)
     else:
+        logits = prefill(model, parts[0], cache)
         prefill_s = time.perf_counter() - t0
     first_s = time.perf_counter() - t0 - prefill_s
     out = Generation()
-    if document:  # how the document was read: prefilled, or from the store (seconds: either, K-Means included)
-        out.document = {"from": read_from, "seconds": round(prefill_s, 4), **({"note": note} if note else {})}
+    if loaded is not None:  # how the document was read: prefilled or from the store (seconds: either, K-Means too)
+        note = {"note": loaded.note} if loaded.note else {}
+        out.document = {"from": loaded.read_from, "seconds": round(loaded.seconds, 4), **note}
     show = None if on_token is None else (lambda tokens: on_token(tokenizer.decode(tokens, skip_special_tokens=True)))
     t1 = time.perf_counter()
     eos = eos_token_ids(model, tokenizer)

@@ -52,8 +52,11 @@ def limit_malloc_arenas(n: int = 2):
         pass
 
 
+IDLE_S = 1800.0  # a user's caches are freed after this long idle: the pool's default, and the app's (--idle-minutes)
+
+
 class SessionPool:
-    def __init__(self, max_bytes: int, idle_s: float | None = 1800.0, clock=time.monotonic):
+    def __init__(self, max_bytes: int, idle_s: float | None = IDLE_S, clock=time.monotonic):
         # idle_s None or 0: caches are never freed for idleness (only by end, free and the memory cap)
         self.max_bytes, self.idle_s, self.clock = max_bytes, idle_s or None, clock
         self.entries: dict[str, Entry] = {}

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -29,8 +29,8 @@ from pqcache.serving.footprint import document_bytes, read_queries
 from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill, prefill_document
 from pqcache.serving.hooks import layer_hooks
 from pqcache.serving.prompt import PromptBuilder
+from pqcache.serving.restore import LoadedCache, load_or_restore
 from pqcache.serving.sources import highlights, passages
-from pqcache.serving.store import keep_stored, read_stored
 
 ANSWER_ROOM = 512  # tokens kept free for the question and the answer
 
@@ -54,6 +54,7 @@ class Answer:
     # seconds spent reading the document again for the prefill's queries, which the method starts from and the
     # load did not keep (DocumentSession.ensure_queries); 0.0 when none
     reread_s: float = 0.0
+    note: str = ""  # what the page should know first (a new conversation started for another method)
 
 
 def step_ms(answer) -> float | None:
@@ -143,36 +144,40 @@ class DocumentSession:
             cache.close()
             raise
         self.close()  # the new document replaces the old one
-        args = (self.model, self.tokenizer, self.config, self.method, self.keep_queries, ids[0].tolist())
-        stored = None if self.store is None else read_stored(self.store, *args)
-        self.store_key = None if stored is None else self.store.key(stored[1])
-        if stored is not None and stored[0] is not None:  # read back from the store: no prefill, no K-Means
-            cache.close()
-            return self._loaded(stored[0], ids, n_doc, text, "store", stored[2], stored[3])
-        obs = cache.instrument(timeline=True)
-        try:
-            self.prefill_s = prefill_document(self.model, ids, cache, self.lock, progress, stop)
-        except BaseException:
-            cache.close()
-            raise
-        info = self._loaded(cache, ids, n_doc, text, "prefill", self.prefill_s, stored and stored[3], obs)
-        if stored is not None:  # saved for the next load of this text (a failure is said, the document stays)
-            note = keep_stored(self.store, stored[1], cache, self.doc_ids, text, self.truncated)
-            self.store_key, info["store_note"] = None if note else self.store_key, note or info["store_note"]
-        return info
+        observed, timed = [], []
 
-    def _loaded(self, cache, ids, n_doc: int, text: str, read_from: str, seconds: float, note, obs=None) -> dict:
+        def from_text() -> PQCache:
+            observed.append(cache.instrument(timeline=True))
+            try:
+                timed.append(prefill_document(self.model, ids, cache, self.lock, progress, stop))
+            except BaseException:
+                cache.close()
+                raise
+            return cache
+
+        truncated = (int(ids.shape[1]), n_doc) if ids.shape[1] < n_doc else None
+        args = (self.model, self.tokenizer, self.config, self.method, self.keep_queries, ids[0].tolist())
+        loaded = load_or_restore(self.store, *args, from_text, text, truncated)
+        if loaded.cache is not cache:  # read back from the store: no prefill, no K-Means
+            cache.close()
+        if timed:  # the prefill's own seconds, without the wait for the model's lock
+            loaded = replace(loaded, seconds=timed[0])
+        self.store_key = loaded.key
+        return self._loaded(loaded, ids, n_doc, text, observed[0] if observed else None)
+
+    def _loaded(self, loaded: LoadedCache, ids, n_doc: int, text: str, obs=None) -> dict:
         """The loaded document's state, and load()'s answer: tokens, how it was read and the cache's figures."""
+        cache, seconds = loaded.cache, loaded.seconds
         self.cache, self.n_tokens = cache, int(ids.shape[1])
         self.prefill_obs = obs if obs is not None else cache.instrument(timeline=True)
-        self.prefill_s = seconds if read_from == "prefill" else 0.0
-        self.read_from, self.read_s = read_from, seconds
+        self.prefill_s = seconds if loaded.read_from == "prefill" else 0.0
+        self.read_from, self.read_s = loaded.read_from, seconds
         self.doc_ids = ids[0].tolist()
         self.truncated = (self.n_tokens, n_doc) if self.n_tokens < n_doc else None
         self.doc_text, self._spans = text, None
         self.spans()  # each position's characters, for the answers' sources (a second tokenization, with offsets)
-        info = {"tokens": self.n_tokens, "document_tokens": n_doc, "prefill_s": self.prefill_s, "from": read_from}
-        return {**info, "read_s": seconds, "store_note": note, **cache.stats()}
+        info = {"tokens": self.n_tokens, "document_tokens": n_doc, "prefill_s": self.prefill_s}
+        return {**info, "from": loaded.read_from, "read_s": seconds, "store_note": loaded.note, **cache.stats()}
 
     def ensure_queries(self, method, stop: threading.Event | None = None) -> float:
         """Give the loaded document its prefill queries if `method` starts from them and the load kept none

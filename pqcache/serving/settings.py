@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import astuple, dataclass
 
-from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS, PQCacheConfig
+from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS, PQCacheConfig, described
 from pqcache.engine.errors import InputError, PQCacheConfigError
 from pqcache.engine.instrument import Instrumentation
 
@@ -33,16 +33,11 @@ def number(value, name: str, integer: bool = False):
     return int(x) if integer else x
 
 
-# the engine's names of the form's fields, as the page labels them
-FORM_WORDS = {
-    "invalid PQCacheConfig: ": "",
-    "token_budget": "token budget",
-    "n_init": "sink tokens",
-    "n_local": "window",
-    "block_cache_tokens": "block cache (tokens)",
-    "cache_policy": "block-cache policy",
-    "head_dim=": "head size ",
-}
+# the engine's names of the form's fields, as the page labels them (each field's label is declared with it,
+# engine/config.py), and the model's head size as the form says it
+LABELS = {name: spec.metadata["label"] for name, spec in described().items() if spec.metadata["label"]}
+FORM_WORDS = {"invalid PQCacheConfig: ": "", **LABELS, "head_dim=": "head size "}
+POLICIES = described()["cache_policy"].metadata["choices"]  # the block cache's evictions, as the form offers them
 
 
 def in_form_words(message: str) -> str:
@@ -69,7 +64,7 @@ class LoadSettings:
     m: object = 0  # sub-spaces; 0: chosen from the model's head size (sub-spaces of at most 64 dimensions)
     bits: object = 0  # per code; 0: chosen from the document's length
     budget: object = PQCacheConfig.token_budget  # a fraction of the document (1/10), or a count
-    n_init: object = 32  # sink tokens
+    n_init: object = PQCacheConfig.n_init  # sink tokens
     n_local: object = 0  # recent window; 0: half of what the budget leaves after the sinks
     policy: str = "lfu"  # block-cache eviction
     # block cache (tokens), rounded down to whole blocks; set even on a CPU, where the engine's default is none: the
@@ -106,20 +101,22 @@ class LoadSettings:
             raise PQCacheConfigError(
                 f"bits must be 0 (chosen from the length) or a whole number from 1 to 8, got {bits}"
             )
-        budget = number(self.budget, "token budget")
+        budget = number(self.budget, LABELS["token_budget"])
         if budget <= 0:
             raise PQCacheConfigError(
-                f"token budget must be above 0: a fraction like 0.1 or a count like 1024, got {budget:g}"
+                f"{LABELS['token_budget']} must be above 0: a fraction like 0.1 or a count like 1024, got {budget:g}"
             )
         if budget > 1 and not budget.is_integer():
             raise PQCacheConfigError(
-                f"token budget {budget:g} is neither a fraction up to 1 nor a whole count of tokens"
+                f"{LABELS['token_budget']} {budget:g} is neither a fraction up to 1 nor a whole count of tokens"
             )
-        n_init = whole(self.n_init, "sink tokens", 0, "a whole number >= 0")
-        n_local = whole(self.n_local, "window", 0, "0 (half of what the budget leaves) or a whole number of tokens")
-        capacity = whole(self.capacity, "block cache (tokens)", 0, "a whole number >= 0")
-        if self.policy not in ("lfu", "lru"):
-            raise PQCacheConfigError(f"block-cache policy must be lfu or lru, got {self.policy!r}")
+        n_init = whole(self.n_init, LABELS["n_init"], 0, "a whole number >= 0")
+        n_local = whole(
+            self.n_local, LABELS["n_local"], 0, "0 (half of what the budget leaves) or a whole number of tokens"
+        )
+        capacity = whole(self.capacity, LABELS["block_cache_tokens"], 0, "a whole number >= 0")
+        if self.policy not in POLICIES:
+            raise PQCacheConfigError(f"{LABELS['cache_policy']} must be {' or '.join(POLICIES)}, got {self.policy!r}")
         if self.too_long not in TOO_LONG:
             raise PQCacheConfigError(f"for a document longer than the model reads choose {' or '.join(TOO_LONG)}")
         if budget > 1 and n_local and n_init + n_local > budget:

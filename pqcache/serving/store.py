@@ -50,6 +50,13 @@ class StoreError(InputError):
     written (the document stays loaded, unsaved)."""
 
 
+class NotInStore(StoreError, KeyError):
+    """The store holds no entry under that key: not a fault, the load prefills (a KeyError, as a dict's miss)."""
+
+    def __str__(self) -> str:
+        return "not in the store"
+
+
 def model_fingerprint(model) -> str:
     """The weights' identity: the config, the dtype, and a sample of a few tensors' values (the first, middle and
     last parameters: a fine-tune or another quantization changes them). Computed once per model."""
@@ -129,7 +136,7 @@ class DocumentStore:
         try:
             manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
         except FileNotFoundError:
-            raise StoreError("not in the store") from None
+            raise NotInStore(key) from None
         except (OSError, ValueError) as exc:
             raise StoreError(f"its stored copy has an unreadable manifest ({exc})") from None
         made_for = manifest.get("for", {})
@@ -235,40 +242,3 @@ class DocumentStore:
                 total -= entry.get("bytes", 0)
                 gone.append(entry["key"])
         return gone
-
-
-# ---- a load's side: read its cache from the store, keep it there --------------------------------------------------
-def read_stored(store: DocumentStore, model, tokenizer, config, method: str, keep_queries: bool, ids: list[int]):
-    """-> (cache, described, seconds, note): the stored cache of this load (None when it is not there, or when it
-    is refused: `note` says why in one line, and the entry is removed for the prefill's to take its place), what
-    an entry for it must match (keep_stored saves under it) and the seconds the read took."""
-    from pqcache.engine.snapshot import SnapshotError, restore
-
-    described = store.describe(model, tokenizer, config, method, keep_queries, ids)
-    key, t0 = store.key(described), time.perf_counter()
-    try:
-        tensors, manifest = store.open(key, described)
-        cache = restore(model, config, tensors, manifest["cache"], keep_queries)
-    except (StoreError, SnapshotError, KeyError) as exc:
-        if isinstance(exc, StoreError) and str(exc) == "not in the store":
-            return None, described, time.perf_counter() - t0, None
-        store.delete(key)
-        return None, described, time.perf_counter() - t0, f"not read from the store: {exc}"
-    return cache, described, time.perf_counter() - t0, None
-
-
-def keep_stored(store: DocumentStore, described: dict, cache, ids: list[int], text: str, truncated=None) -> str | None:
-    """Save a loaded document's cache for `described` (read_stored's); returns a line when it could not be saved
-    (the document stays loaded either way)."""
-    from pqcache.engine.snapshot import SnapshotError, snapshot
-
-    try:
-        tensors, meta = snapshot(cache)
-        manifest = {
-            "for": described, "cache": meta, "ids": ids, "tokens": len(ids),
-            "text_sha256": hashlib.sha256(text.encode()).hexdigest(), "truncated": truncated,
-        }  # fmt: skip
-        store.save(store.key(described), tensors, manifest, text)
-    except (StoreError, SnapshotError) as exc:
-        return f"not saved to the store: {exc}"
-    return None

@@ -7,38 +7,38 @@ holding a DocumentWorker of its own. The calls:
   entry(user).stop / .busy, use(user)  the user's stop event and requests in flight
   load(user, name, text, settings, progress, stop) -> session   prefill a document into the user's "qa" slot
   session(user)                        the loaded session, None, or SessionEvictedError (why it was freed)
+  ask(user, question, method, ...)     an answer within the user's conversation on their document
+  add_document(user, name, text, stop), new_conversation(user), conversation_state(user)
   notice(user), free(user), end(user), summary()
+
+A user's conversation lives here, beside their document: follow-ups see the earlier turns in this process and on
+a Ray replica alike.
 """
 
 from __future__ import annotations
 
 import threading
 
-from pqcache.engine.config import PQCacheConfig
-from pqcache.engine.errors import PQCacheConfigError
+from pqcache.engine.errors import NoDocumentError, PQCacheConfigError, SessionEvictedError
+from pqcache.serving.conversation import Conversation
 from pqcache.serving.pool import SessionPool
+from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import LoadSettings, in_form_words
+from pqcache.serving.stored_conversations import latest_conversation, save_conversation
 
 SLOT = "qa"
+CHAT = "chat"  # the name of a user's conversation where none is given (the page's one)
 
 
 class DocumentWorker:
-    def __init__(
-        self,
-        model,
-        tokenizer,
-        pool: SessionPool,
-        pq_timeout_s: float | None = 120.0,
-        max_document_tokens: int | None = None,
-        store=None,
-        kv_dtype: str = PQCacheConfig.kv_dtype,
-    ):
-        """store: a DocumentStore (serving/store.py) each load reads from and saves to; None: every load prefills.
-        kv_dtype: the host tier's keys and values (app.py --kv-dtype; PQCacheConfig.kv_dtype)."""
+    def __init__(self, model, tokenizer, pool: SessionPool, server: ServerSettings | None = None, store=None):
+        """server: the server's settings (K-Means timeout, KV dtype, longest document); store: a DocumentStore
+        (serving/store.py) each load reads from and saves to, None: every load prefills."""
         self.model, self.tokenizer, self.pool = model, tokenizer, pool
-        self.pq_timeout_s, self.max_document_tokens, self.store = pq_timeout_s, max_document_tokens, store
-        self.kv_dtype = kv_dtype
+        self.server, self.store = server or ServerSettings(), store
+        self.conversations: dict[tuple[str, str], Conversation] = {}  # (user, name) -> on their active document
+        self.talk_lock = threading.Lock()
 
     # ---- the pool's bookkeeping, as the tab uses it ---------------------------------------------------
     def entry(self, user: str):
@@ -54,9 +54,11 @@ class DocumentWorker:
         return self.pool.notice(user)
 
     def free(self, user: str, slot: str = SLOT):
+        self.new_conversation(user)
         self.pool.free(user, slot)
 
     def end(self, user: str):
+        self.new_conversation(user)
         self.pool.end(user)
 
     def summary(self) -> dict:
@@ -79,10 +81,9 @@ class DocumentWorker:
         checked first; then the pool makes room (the previous document stays while both fit) or refuses. Raises what
         is wrong, settings in the form's words (Cancelled when `stop` was set); the reservation is then given back
         and the previous document, if kept, stays active."""
-        config = settings.to_config(pq_timeout_s=self.pq_timeout_s, kv_dtype=self.kv_dtype)
-        session = DocumentSession(
-            self.model, self.tokenizer, config, settings.method, self.max_document_tokens, store=self.store
-        )
+        config = self.server.config_for(settings)
+        limit = self.server.max_document_tokens
+        session = DocumentSession(self.model, self.tokenizer, config, settings.method, limit, store=self.store)
         session.name = name
         if progress is not None:
             progress(0.0, "tokenizing")
@@ -102,3 +103,115 @@ class DocumentWorker:
             raise
         self.pool.store(user, SLOT, session)
         return session
+
+    # ---- the user's conversations on their document -------------------------------------------------
+    def conversation(self, user: str, method: str, name: str = CHAT) -> tuple[Conversation, str]:
+        """The user's conversation `name` on their active document with `method`, started anew when the document or
+        the method changed (the note says so where it held turns). NoDocumentError without a document."""
+        session = self.session(user)
+        if session is None:
+            raise NoDocumentError("load a document first")
+        with self.talk_lock:
+            talk, note = self.conversations.get((user, name)), ""
+            if talk is not None and (talk.session is not session or talk.method != method or talk.cache is None):
+                if talk.session is session and talk.turns:
+                    note = f"*The method is now {method}: a new conversation starts (the document stays loaded).*"
+                self.conversations.pop((user, name)).close()
+                talk = None
+            if talk is None:
+                talk = self.conversations[(user, name)] = Conversation(session, method)
+        return talk, note
+
+    def ask(
+        self, user, question, method, max_new_tokens=64, stop=None, observer=None, on_token=None, conversation=CHAT
+    ):
+        """An answer within the user's conversation (a follow-up sees the earlier turns); the Answer's `note` says
+        when a new conversation started for another method. The conversation is counted under the memory cap."""
+        talk, note = self.conversation(user, method, conversation)
+        answer = talk.ask(question, method, max_new_tokens, stop=stop, observer=observer, on_token=on_token)
+        answer.note = " ".join(filter(None, [note, self._keep(talk)]))
+        self._count(user)
+        return answer
+
+    def add_document(self, user: str, name: str, text: str, method: str, stop=None, conversation=CHAT) -> int:
+        """Read `text` into the user's conversation (once, its own K-Means), to ask across both; its tokens."""
+        talk, _ = self.conversation(user, method, conversation)
+        n = talk.add_document(text, name, stop=stop)
+        self._keep(talk)
+        self._count(user)
+        return n
+
+    def fork_conversation(self, user: str, conversation: str = CHAT, into: str = "fork") -> dict:
+        """A copy of the user's conversation under another name, to go its own way (the document is shared); its
+        state. NoDocumentError when there is no such conversation."""
+        with self.talk_lock:
+            talk = self.conversations.get((user, conversation))
+            if talk is None or talk.cache is None:
+                raise NoDocumentError(f"no conversation {conversation!r} to fork: ask a question first")
+            old = self.conversations.pop((user, into), None)
+            self.conversations[(user, into)] = talk.fork()
+        if old is not None:
+            old.close()
+        self._count(user)
+        return self.conversation_state(user, into)
+
+    def resume_conversation(self, user: str, method: str, conversation: str = CHAT, stop=None) -> dict | None:
+        """The latest conversation kept beside the user's document for `method` (a reload, a restart, a lost
+        replica), replayed as the user's conversation `conversation`: its state, None when none is kept."""
+        session = self.session(user)
+        if session is None:
+            raise NoDocumentError("load a document first")
+        key = getattr(session, "store_key", None)
+        record = None if self.store is None or key is None else latest_conversation(self.store, key, method)
+        if record is None:
+            return None
+        talk = Conversation.replay(session, record, stop)
+        with self.talk_lock:
+            old = self.conversations.pop((user, conversation), None)
+            self.conversations[(user, conversation)] = talk
+        if old is not None:
+            old.close()
+        self._count(user)
+        return self.conversation_state(user, conversation)
+
+    def new_conversation(self, user: str, conversation: str | None = None):
+        """Back to the document alone: the user's conversation (None: every one) ends, the document stays."""
+        with self.talk_lock:
+            names = [k for k in self.conversations if k[0] == user and conversation in (None, k[1])]
+            ended = [self.conversations.pop(k) for k in names]
+        for talk in ended:
+            talk.close()
+        if ended:
+            self._count(user)
+
+    def conversation_state(self, user: str, conversation: str = CHAT) -> dict | None:
+        """What the user's conversation holds, as plain data: tokens, the questions' turn numbers, the added
+        documents' names, the model's limit, the turns; None without one."""
+        talk = self.conversations.get((user, conversation))
+        if talk is None:
+            return None
+        asked = [i + 1 for i, t in enumerate(talk.turns) if t.kind == "question"]
+        added = [t.text for t in talk.turns if t.kind == "document"]
+        turns = [{"kind": t.kind, "text": t.text, "answer": t.answer} for t in talk.turns]
+        return {"tokens": talk.n_tokens, "asked": asked, "added": added, "limit": talk.limit, "turns": turns}
+
+    def _keep(self, talk: Conversation) -> str:
+        """The conversation kept beside its document in the store (after each turn): "" when kept or when there is
+        no store entry to keep it beside, else the line saying why not."""
+        key = getattr(talk.session, "store_key", None)
+        if self.store is None or key is None:
+            return ""
+        return save_conversation(self.store, key, talk.record()) or ""
+
+    def _count(self, user: str):
+        """The user's document and its conversations under the memory cap (a conversation's bytes from the
+        document's bytes a token: an estimate)."""
+        try:
+            session = self.pool.session(user, SLOT)
+        except SessionEvictedError:  # freed meanwhile: nothing left to count
+            return
+        if session is None or not session.n_tokens:
+            return
+        talks = [t for (u, _), t in list(self.conversations.items()) if u == user and t.session is session]
+        extra = sum(len(t.ids) for t in talks)
+        self.count(user, session.nbytes() + int(session.nbytes() / session.n_tokens * extra))

@@ -11,13 +11,12 @@ import types
 
 import pytest
 import ray
-import torch
 from ray import serve
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from pqcache.serving.pool import SessionPool
+from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.settings import LoadSettings
-from tests.tiny import CHAT_TEMPLATE, byte_tokenizer
+from tests.tiny import SERVED, tiny_chat_model
 from tests.unit.test_qa_tab import outputs
 
 SHORT = " ".join(f"w{i % 41}" for i in range(60))  # ~240 tokens: loads in a blink
@@ -45,22 +44,8 @@ def wait_for(predicate, timeout=120.0, every=0.2):
 def model_dir(tmp_path_factory):
     """A random-weight Llama and its byte tokenizer (with a chat template), saved as a model folder."""
     folder = tmp_path_factory.mktemp("tiny-chat-model")
-    tok = byte_tokenizer(CHAT_TEMPLATE)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=len(tok),
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=8192,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    LlamaForCausalLM(cfg).eval().save_pretrained(folder)
+    model, tok = tiny_chat_model(**SERVED)
+    model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return folder
 
@@ -72,9 +57,10 @@ def docs(model_dir):
 
     launch.connect("local", num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False)
     try:
-        yield launch.start_workers(
-            2, model=str(model_dir), replica_cpus=0.5, max_bytes=2**28, idle_s=None, concurrency=1, pq_timeout_s=60
+        server = ServerSettings(
+            model=str(model_dir), max_cache_bytes=2**28, idle_s=None, concurrency=1, pq_timeout_s=60
         )
+        yield launch.start_workers(2, server, replica_cpus=0.5)
     finally:
         serve.shutdown()
         ray.shutdown()

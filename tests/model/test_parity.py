@@ -22,7 +22,7 @@ def app_answers(model, tok) -> dict:
     from studio import Studio
     from studio.qa import QATab
 
-    tab = QATab(Studio(model, tok, SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=120))
+    tab = QATab(Studio(model, tok, SessionPool(max_bytes=2**30, idle_s=None)))
     *_, loaded = tab.load_document(str(DOCUMENT), "", *LoadSettings().values(), request=USER)
     assert loaded[0].startswith("Loaded"), loaded[0]
     out = {}

@@ -53,7 +53,7 @@ def test_the_qa_tab_loads_answers_and_follows_up_on_smollm2(smollm2):
 
     model, tok = smollm2
     pool = SessionPool(max_bytes=2**30, idle_s=None)
-    tab = QATab(Studio(model, tok, pool, pq_timeout_s=120))
+    tab = QATab(Studio(model, tok, pool))
     try:
         assert load(tab, text=PASSKEY.read_text())[-1][0].startswith("Loaded **")
         assert describe_model(model, tok) == (
@@ -143,7 +143,7 @@ def test_the_teaching_tab_runs_its_methods_side_by_side_on_smollm2(smollm2):
     from tests.unit.test_studio import USER, quiet
 
     model, tok = smollm2
-    studio = Studio(model, tok, SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=120)
+    studio = Studio(model, tok, SessionPool(max_bytes=2**30, idle_s=None))
     try:
         tab = TeachingTab(studio)
         fact = "the code to open the blue door"

@@ -2,6 +2,7 @@
 script's help."""
 
 import importlib
+import io
 import json
 import shutil
 import subprocess
@@ -92,3 +93,34 @@ def prompt_tokens(model_dir, text: str) -> int:
 
     tok = AutoTokenizer.from_pretrained(str(model_dir))
     return sum(ids.shape[1] for ids in build_prompt(tok, text, "What is the code?").encode(tok))
+
+
+# ---- chat with a document store: the conversation kept, then resumed by another run -------------------------------
+def chat_in_process(capsys, monkeypatch, model_dir, document, questions, *flags) -> tuple[int, str, str]:
+    from pqcache.cli.main import main
+
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(q + "\n" for q in questions)))
+    capsys.readouterr()
+    args = ["chat", "--model", str(model_dir), "--context-file", str(document), "--max-new-tokens", "4", *flags]
+    code = main(args)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_chat_resumes_the_conversation_kept_in_the_store(chat_model_dir, capsys, monkeypatch, tmp_path):
+    """A first `chat --store DIR` run asks one question; a second run with --resume reads the document back (no
+    prefill), replays the kept turn, and answers the follow-up as one run asking both does, sources included."""
+    document = tmp_path / "notes.txt"
+    document.write_text(DOCUMENT, encoding="utf-8")
+    questions = ["What is the code?", "Repeat that number."]
+    code, both, err = chat_in_process(capsys, monkeypatch, chat_model_dir, document, questions)
+    assert code == 0, err
+    store = ["--store", str(tmp_path / "documents")]
+    code, first, err = chat_in_process(capsys, monkeypatch, chat_model_dir, document, questions[:1], *store)
+    assert code == 0 and "(prefilled)" in err, err
+    resumed = [*store, "--resume"]
+    code, second, err = chat_in_process(capsys, monkeypatch, chat_model_dir, document, questions[1:], *resumed)
+    assert code == 0 and "(from the store, no prefill)" in err and "[resumed: 1 earlier turns]" in err, err
+    assert first + second == both
+    code, _, err = chat_in_process(capsys, monkeypatch, chat_model_dir, document, questions, "--resume")
+    assert code == 2 and "give --store DIR too" in err and "Traceback" not in err

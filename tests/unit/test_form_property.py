@@ -17,6 +17,7 @@ from pqcache import METHODS
 from pqcache.engine.errors import PQCacheError
 from pqcache.serving.generate import generate
 from pqcache.serving.pool import SessionPool
+from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.settings import FORM_WORDS, LoadSettings
 from pqcache.serving.worker import DocumentWorker
 from tests.tiny import WordTokenizer, tiny_model
@@ -96,7 +97,7 @@ def one_line_in_form_words(message: str) -> bool:
 def test_every_form_setting_loads_and_answers_or_is_refused_in_the_forms_words(models, form, n_words, data):
     arch = data.draw(st.sampled_from(sorted(models)), label="arch")
     model, tok = models[arch], WordTokenizer()
-    worker = DocumentWorker(model, tok, SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=60)
+    worker = DocumentWorker(model, tok, SessionPool(max_bytes=2**30, idle_s=None), ServerSettings(pq_timeout_s=60))
     text = document(n_words)
     try:
         session = worker.load("ann", "doc", text, form)
@@ -111,7 +112,9 @@ def test_every_form_setting_loads_and_answers_or_is_refused_in_the_forms_words(m
         n_cached = session.n_tokens + int(session.prompt.question_ids(QUESTION).shape[1])
         if covers(session.config, form.method, session.n_tokens, n_cached + MAX_NEW):
             # the same document, loaded for full attention, answers the same tokens
-            reference = DocumentWorker(model, tok, SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=60)
+            reference = DocumentWorker(
+                model, tok, SessionPool(max_bytes=2**30, idle_s=None), ServerSettings(pq_timeout_s=60)
+            )
             exact = reference.load("ann", "doc", text, LoadSettings(method="full", too_long=form.too_long))
             assert answer.tokens == exact.ask(QUESTION, max_new_tokens=MAX_NEW).tokens, (form, n_words)
             event("equal to full attention, document first")

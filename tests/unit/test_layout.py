@@ -15,7 +15,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("pqcache", "viz", "studio")
-MAX_MODULE_LINES, MAX_CLASS_LINES = 300, 200
+MAX_MODULE_LINES = 300  # past this a module may hold a second role
+MAX_CLASS_LINES = 200  # and a class
 
 
 def sources(with_scripts: bool = True) -> list[Path]:
@@ -99,17 +100,31 @@ def test_no_import_cycle():
     assert cycles(graph) == []
 
 
-def test_modules_and_classes_stay_small():
-    too_long = []
+def oversized() -> list[str]:
+    """Modules past MAX_MODULE_LINES and classes past MAX_CLASS_LINES: where a second role may hide, a place to look
+    (the suite's closing summary lists them, tests/conftest.py), not a limit a change must squeeze under."""
+    found = []
     for path in sources():
         text = path.read_text(encoding="utf-8")
         name = path.relative_to(ROOT)
         if len(text.splitlines()) > MAX_MODULE_LINES:
-            too_long.append(f"{name}: {len(text.splitlines())} lines")
+            found.append(f"{name}: {len(text.splitlines())} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
-                too_long.append(f"{name}: class {node.name}, {node.end_lineno - node.lineno + 1} lines")
-    assert too_long == []
+                found.append(f"{name}: class {node.name}, {node.end_lineno - node.lineno + 1} lines")
+    return found
+
+
+def test_the_size_report_names_a_long_module_and_a_long_class(tmp_path, monkeypatch):
+    long_module = tmp_path / "long.py"
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_CLASS_LINES + 1))
+    long_module.write_text("class Big:\n" + body + "\n" + "\n" * MAX_MODULE_LINES, encoding="utf-8")
+    monkeypatch.setattr(sys.modules[__name__], "sources", lambda: [long_module])
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert oversized() == [
+        f"long.py: {MAX_MODULE_LINES + MAX_CLASS_LINES + 2} lines",
+        f"long.py: class Big, {MAX_CLASS_LINES + 2} lines",
+    ]
 
 
 def lint_imports(root: Path) -> subprocess.CompletedProcess:

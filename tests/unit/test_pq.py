@@ -104,7 +104,7 @@ def test_pq_topk_recall_on_planted_structure(m, bits, threshold):
         ({"n_local": 0}, "n_local must be None or an int >= 1"),
         ({"kmeans_iters": 0}, "kmeans_iters must be 'auto' or an int >= 1"),
         ({"kmeans_iters": "fast"}, "kmeans_iters must be 'auto'"),
-        ({"metric": "cosine"}, "metric must be 'l2' or 'ip'"),
+        ({"metric": "cosine"}, "metric must be one of l2, ip, got 'cosine'"),
         ({"token_budget": 64, "n_init": 32, "n_local": 40}, "cannot hold n_init=32 sinks plus n_local=40"),
     ],
 )

@@ -5,12 +5,14 @@ named in the chat, Stop when idle, panels redrawn only when their data changed."
 import copy
 import threading
 import types
+from dataclasses import replace
 
 import gradio as gr
 import plotly.graph_objects as go
 import pytest
 
 from pqcache.serving.pool import SessionPool
+from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import LoadSettings
 from tests.tiny import WordTokenizer, tiny_model
@@ -25,7 +27,9 @@ def tab():
     from studio import Studio
     from studio.qa import QATab
 
-    studio = Studio(tiny_model("llama"), WordTokenizer(), SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=60)
+    studio = Studio(
+        tiny_model("llama"), WordTokenizer(), SessionPool(max_bytes=2**30, idle_s=None), ServerSettings(pq_timeout_s=60)
+    )
     yield QATab(studio)
     studio.pool.close()
 
@@ -129,7 +133,7 @@ def test_stop_during_a_load_keeps_the_earlier_document(tab, monkeypatch):
 
 def test_a_question_past_the_cap_is_refused_in_one_line_and_stays_in_its_box(tab):
     load(tab)
-    tab.studio.max_question_chars = 100
+    tab.studio.server = replace(tab.studio.server, max_question_chars=100)
     outs = ask(tab, question="what is w3 " * 20)
     chat, status, *panels, box, sources = outs[-1]
     assert len(outs) == 1 and chat == []  # no model slot taken, nothing in the chat
@@ -245,14 +249,15 @@ def test_an_answers_first_words_are_sent_at_once_not_at_the_next_tick(monkeypatc
     class Session:  # the first token, then it waits until the test has seen it
         last_stats = None
 
-        def ask(self, question, method, max_new_tokens, stop, observer, on_token):
+        def ask(self, max_new_tokens, stop, observer, on_token):
             answer = Answer(text="Paris", tokens=[1])
             on_token(answer)
             assert release.wait(30), "the first words were not sent"
             answer.done = True
             return answer
 
-    stream = answering.stream_answer(Session(), "Where?", [], "pqcache", 8, threading.Event(), None, PanelFeed("cpu"))
+    session = Session()
+    stream = answering.stream_answer(session.ask, session, [], "pqcache", 8, threading.Event(), None, PanelFeed("cpu"))
     assert next(stream)[0][-1]["content"].startswith("*pqcache is reading")
     chat = next(stream)[0]
     assert chat[-1]["content"].startswith("Paris") and not release.is_set()
@@ -267,10 +272,10 @@ def test_follow_ups_continue_one_conversation_until_a_new_one(tab):
     load(tab)
     first = ask(tab)[-1][1]
     assert "; conversation: " in first and "(turn 1; at most 1,024)" in first
-    talk = tab.conversations["ann"]
+    talk = tab.pool.conversations[("ann", "chat")]
     n_after_first = talk.n_tokens
     second = ask(tab, question="and w7")[-1][1]
-    assert "(turns 1-2;" in second and tab.conversations["ann"] is talk and talk.n_tokens > n_after_first
+    assert "(turns 1-2;" in second and tab.pool.conversations[("ann", "chat")] is talk and talk.n_tokens > n_after_first
     counted = tab.studio.pool.entry("ann").nbytes["qa"]
     assert counted > talk.session.nbytes()  # the conversation's growth counts under the cap
     chat, line = tab.new_conversation(request=ANN)
@@ -278,9 +283,9 @@ def test_follow_ups_continue_one_conversation_until_a_new_one(tab):
     assert "turn 1;" in ask(tab)[-1][1]  # a fresh conversation on the same document, no prefill
     outs = ask(tab, method="h2o")
     assert any("The method is now h2o: a new conversation starts" in m["content"] for m in outs[-1][0])
-    assert tab.conversations["ann"].method == "h2o"
+    assert tab.pool.conversations[("ann", "chat")].method == "h2o"
     tab.unload_document(request=ANN)
-    assert "ann" not in tab.conversations
+    assert ("ann", "chat") not in tab.pool.conversations
 
 
 def test_a_document_added_to_the_conversation_is_read_once_and_asked_about(tab, tmp_path):
@@ -295,7 +300,7 @@ def test_a_document_added_to_the_conversation_is_read_once_and_asked_about(tab, 
     (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 4)
     bad = tab.add_to_conversation(str(tmp_path / "bin.txt"), "", "utf-8", "pqcache", request=ANN)
     assert bad.startswith("**Error:** bin.txt looks like a binary file")
-    assert len(tab.conversations["ann"].turns) == 3  # kept as it was
+    assert len(tab.pool.conversations[("ann", "chat")].turns) == 3  # kept as it was
 
 
 def test_a_conversation_past_the_models_context_says_so_and_offers_a_new_one(tab, tmp_path):
@@ -319,7 +324,11 @@ def test_a_document_loaded_again_is_read_from_the_store_and_the_line_says_so(tmp
     from studio.qa import QATab
 
     pool = SessionPool(max_bytes=2**30, idle_s=None)
-    tab = QATab(Studio(tiny_model("llama"), WordTokenizer(), pool, pq_timeout_s=60, store=DocumentStore(tmp_path)))
+    tab = QATab(
+        Studio(
+            tiny_model("llama"), WordTokenizer(), pool, ServerSettings(pq_timeout_s=60), store=DocumentStore(tmp_path)
+        )
+    )
     try:
         first = load(tab)[-1][0]
         assert "Prefill **" in first and "document store" not in first
@@ -341,17 +350,23 @@ def test_your_documents_lists_reopens_from_the_store_and_deletes(tmp_path):
     from studio.qa import QATab
 
     pool, store = SessionPool(max_bytes=2**30, idle_s=None), DocumentStore(tmp_path)
-    tab = QATab(Studio(tiny_model("llama"), WordTokenizer(), pool, pq_timeout_s=60, store=store))
+    tab = QATab(Studio(tiny_model("llama"), WordTokenizer(), pool, ServerSettings(pq_timeout_s=60), store=store))
     try:
         load(tab)
         listing, shown = tab.remember([], request=ANN)
         (entry,) = listing
         assert entry["tokens"] == 300 and shown["choices"] == [(f"{entry['name']} (300 tokens)", entry["key"])]
+        asked = ask(tab)[-1][0]  # a question about it: the conversation is kept beside it in the store
         load(tab, text=" ".join(f"v{i % 37}" for i in range(200)))
         listing, _ = tab.remember(listing, request=ANN)
         assert [e["tokens"] for e in listing] == [200, 300]  # the newest first
+        assert tab.resumed(entry["key"], "pqcache", request=ANN) == (gr.skip(), gr.skip())  # not the active one
         lines = [out[0] for out in outputs(tab.reopen(entry["key"], listing, *LoadSettings().values(), request=ANN))]
         assert lines[-1].startswith("Loaded **300** tokens") and "Read from the document store" in lines[-1]
+        chat, line = tab.resumed(entry["key"], "pqcache", request=ANN)  # and its conversation with it
+        assert [m["content"] for m in chat] == [asked[-2]["content"], asked[-1]["content"].split("\n\n*")[0]]
+        assert line.startswith("Reopened the conversation kept with this document (1 question(s))")
+        assert "(turns 1-2;" in ask(tab, question="and w7")[-1][1]  # the next question is a follow-up
         listing, _ = tab.remember(listing, request=ANN)
         assert [e["tokens"] for e in listing] == [300, 200]
         listing, shown = tab.forget(entry["key"], listing, request=ANN)

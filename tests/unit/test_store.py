@@ -133,7 +133,7 @@ def test_two_writers_of_one_document_leave_one_good_entry(tmp_path):
     barrier, notes = threading.Barrier(2), []
 
     def save(session):
-        from pqcache.serving.store import keep_stored
+        from pqcache.serving.restore import keep_stored
 
         barrier.wait()
         described = store.describe(model, session.tokenizer, session.config, "pqcache", False, session.doc_ids)

@@ -10,6 +10,7 @@ import pytest
 
 from pqcache import PQCacheConfigError
 from pqcache.serving.pool import SessionPool
+from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import LoadSettings
 from tests.tiny import WordTokenizer, tiny_model
@@ -62,13 +63,19 @@ def test_the_store_flags_choose_where_documents_are_kept(tmp_path, monkeypatch, 
     import app
 
     monkeypatch.setenv("PQCACHE_HOME", str(tmp_path))
-    store = app.make_store(app.parse_args([]))  # on by default, under PQCACHE_HOME
-    assert store.root == tmp_path / "documents" and store.cap_bytes > 0
-    store = app.make_store(app.parse_args(["--store", str(tmp_path / "elsewhere"), "--store-gib", "0.5"]))
-    assert store.root == tmp_path / "elsewhere" and store.cap_bytes == 2**29
-    assert app.make_store(app.parse_args(["--no-store"])) is None
-    for bad, said in [(["--store-gib", "0"], "--store-gib must be more than 0"), (["--no-store", "--store", "x"],
-                      "choose one")]:  # fmt: skip
+
+    def store(*flags):
+        return app.server_settings(app.parse_args(list(flags))).open_store()
+
+    assert store().root == tmp_path / "documents" and store().cap_bytes > 0  # on by default, under PQCACHE_HOME
+    elsewhere = store("--store", str(tmp_path / "elsewhere"), "--store-gib", "0.5")
+    assert elsewhere.root == tmp_path / "elsewhere" and elsewhere.cap_bytes == 2**29
+    assert store("--no-store") is None
+    refused = [
+        (["--store-gib", "0"], "--store-gib must be more than 0"),
+        (["--no-store", "--store", "x"], "choose one"),
+    ]
+    for bad, said in refused:
         with pytest.raises(SystemExit):
             app.parse_args(bad)
         assert said in capsys.readouterr().err
@@ -92,7 +99,7 @@ def test_idle_minutes_zero_never_reaps_and_starts_no_reaper_thread(monkeypatch):
     import app
 
     before = set(threading.enumerate())
-    pool = app.make_pool(app.parse_args(["--idle-minutes", "0", "--max-cache-gib", "1"]))
+    pool = app.server_settings(app.parse_args(["--idle-minutes", "0", "--max-cache-gib", "1"])).make_pool()
     try:
         assert pool.idle_s is None and pool._reaper is None
         assert [t for t in threading.enumerate() if t not in before and t.name == "pqcache-reaper"] == []
@@ -111,7 +118,7 @@ def test_idle_minutes_zero_never_reaps_and_starts_no_reaper_thread(monkeypatch):
         SessionPool(max_bytes=2**30, idle_s=60).start_reaper(every_s=0)
     with pytest.raises(SystemExit):  # a negative time is refused at the command line
         app.parse_args(["--idle-minutes", "-1"])
-    pool = app.make_pool(app.parse_args(["--idle-minutes", "30", "--max-cache-gib", "1"]))
+    pool = app.server_settings(app.parse_args(["--idle-minutes", "30", "--max-cache-gib", "1"])).make_pool()
     try:
         assert pool.idle_s == 1800 and pool._reaper.is_alive()
     finally:
@@ -129,7 +136,9 @@ def teaching(tmp_path):
     words[150:150] = f"{FACT} is 4721 .".split()
     doc = tmp_path / "teaching.txt"
     doc.write_text(" ".join(words), encoding="utf-8")
-    studio = Studio(tiny_model("llama"), WordTokenizer(), SessionPool(max_bytes=2**30, idle_s=None), pq_timeout_s=60)
+    studio = Studio(
+        tiny_model("llama"), WordTokenizer(), SessionPool(max_bytes=2**30, idle_s=None), ServerSettings(pq_timeout_s=60)
+    )
     yield TeachingTab(studio, document=str(doc))
     studio.pool.close()
 
