@@ -177,7 +177,7 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     ).then(**remembered)
     reopen.click(
         tab.reopen, [listed, listing, *settings], shown, api_name="reopen_document", **one_progress, **model_work
-    ).then(**remembered).then(tab.resumed, [listed, method], [chat, gen_status], api_name=False, **model_work)
+    ).then(tab.resumed, [listed, method], [chat, gen_status], api_name=False, **model_work).then(**remembered)
     forget.click(tab.forget, [listed, listing], [listing, listed], api_name="delete_document", concurrency_limit=None)
     for trigger in (file.change, pasted.change):
         trigger(load_label, [file, pasted], [load], queue=False, show_progress="hidden", api_name=False)

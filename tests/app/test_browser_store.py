@@ -1,6 +1,7 @@
 """The document store in a real browser (Debian's Chromium, Playwright): an app with a store of its own, the sample
-loaded, the page reloaded (a new session, as a user's next visit), the document listed under *Your documents* from
-the browser's storage and reopened with no prefill, the answer the same; then deleted from the store."""
+loaded and asked about, the page reloaded (a new session, as a user's next visit), the document listed under *Your
+documents* from the browser's storage and reopened with no prefill and with its conversation (the earlier turn back
+in the chat, the next question a follow-up that sees it); then deleted from the store."""
 
 import tempfile
 
@@ -42,8 +43,12 @@ def test_a_document_reopens_from_the_store_after_a_page_reload(store_app_url):
             page.wait_for_selector("#doc-status >> text=Read from the document store", timeout=120_000)
             line = page.locator("#doc-status").inner_text()
             assert "the active document" in line and "(no prefill)" in line and "Prefill" not in line
-            ask(page, EXAMPLE["question"])
-            assert answer_text(answered(page), EXAMPLE["question"]) == first
+            status = "#gen-status >> text=Reopened the conversation kept with this document (1 question(s))"
+            page.wait_for_selector(status, timeout=120_000)
+            assert first in page.locator("#chat").inner_text()  # the visit before's turn, back in the chat
+            ask(page, "Repeat that number.")  # a follow-up: it sees that turn
+            assert EXAMPLE["answer"] in answer_text(answered(page), "Repeat that number.")
+            assert "(turns 1-2;" in page.locator("#gen-status").inner_text()
             page.locator("#listed input").click()
             page.get_by_role("option", name="sample passkey_1k.txt").click()
             page.locator("#forget").click()
