@@ -1,12 +1,11 @@
-"""Cost model: the analytic estimate of pqcache.engine.costmodel for a model, a GPU and a host link, recomputed on
+"""Cost model: the analytic estimate of pqcache.costmodel for a model, a GPU and a host link, recomputed on
 every change, with a verdict per memory row (weights + KV against the GPU's memory)."""
 
 from __future__ import annotations
 
 import gradio as gr
 
-from pqcache import InputError, PQCacheConfig, PQCacheConfigError
-from pqcache.engine import costmodel
+from pqcache import InputError, PQCacheConfig, PQCacheConfigError, costmodel
 from pqcache.serving.settings import number
 from viz import studies
 
@@ -72,7 +71,7 @@ def cost(model, context, batch, gpu, link, budget):
 
 
 def intro() -> str:
-    """The cost model's own description (pqcache/engine/costmodel.py), said once."""
+    """The cost model's own description (pqcache/costmodel.py), said once."""
     first, formulas, rest = costmodel.__doc__.strip().split("\n\n")[:3]
     first = first.replace("A cost MODEL (not a measurement) of ", "").replace("\n", " ")
     return f"**A model, not a measurement**: the cost of {first}\n\n```\n{formulas}\n```\n\n{rest}"

@@ -10,10 +10,9 @@ import os
 import gradio as gr
 
 from pqcache import METHODS, Instrumentation, PQCacheConfig
-from pqcache.engine.config import DEVICE_BLOCK_CACHE_TOKENS
 from pqcache.serving.prompt import PromptBuilder, has_chat_template
 from pqcache.serving.session import DocumentSession
-from pqcache.serving.settings import LABELS, number
+from pqcache.serving.settings import DEVICE_BLOCK_CACHE_TOKENS, LABELS, number
 from pqcache.serving.walkthrough import StepRecorder
 from studio.common import ASSETS, describe, user_of
 from studio.state import Studio

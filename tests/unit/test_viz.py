@@ -7,8 +7,7 @@ import plotly.io as pio
 import pytest
 import torch
 
-from pqcache import PQCache, PQCacheConfig
-from pqcache.engine import costmodel
+from pqcache import PQCache, PQCacheConfig, costmodel
 from tests.tiny import tiny_model
 from viz import figures, studies
 
