@@ -19,7 +19,7 @@ def cmd_chat(args) -> int:
     from pqcache.serving.loading import load_model
     from pqcache.serving.session import DocumentSession
     from pqcache.serving.store import DocumentStore
-    from pqcache.serving.stored_conversations import latest_conversation, save_conversation
+    from pqcache.serving.stored_conversations import keep, resume
 
     if args.resume and args.store is None:
         raise InputError("--resume continues a conversation kept in a document store: give --store DIR too")
@@ -32,10 +32,10 @@ def cmd_chat(args) -> int:
     info = session.load(text, progress=lambda fraction, step: None)
     how = "from the store, no prefill" if info["from"] == "store" else "prefilled"
     stderr(f"[{args.method}] read {info['tokens']} tokens in {info['read_s']:.1f} s ({how}); ask (an empty line ends)")
-    record = latest_conversation(store, session.store_key, args.method) if args.resume and session.store_key else None
-    talk = Conversation.replay(session, record) if record else Conversation(session, args.method)
+    resumed = resume(store, session, args.method) if args.resume else None
+    talk = resumed or Conversation(session, args.method)
     if args.resume:
-        stderr(f"[resumed: {len(talk.turns)} earlier turns]" if record else "[no kept conversation: a new one]")
+        stderr(f"[resumed: {len(talk.turns)} earlier turns]" if resumed else "[no kept conversation: a new one]")
     try:
         for line in sys.stdin:
             question = line.strip()
@@ -56,7 +56,7 @@ def cmd_chat(args) -> int:
             for i, src in enumerate(answer.sources[:3], 1):
                 quote = " ".join(src["text"].split())
                 print(f'  source {i} ({100 * src["share"]:.0f}%): "{quote}"', flush=True)
-            kept = save_conversation(store, session.store_key, talk.record()) if session.store_key else None
+            kept = keep(store, talk)
             stderr(f"[turn {len(talk.turns)}: {talk.n_tokens:,} tokens in the conversation, {answer.seconds:.1f} s]")
             if kept:
                 stderr(f"[{kept}]")

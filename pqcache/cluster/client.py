@@ -20,7 +20,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from pqcache.cluster.reopen import Reopener
-from pqcache.cluster.replicas import PROBE_TIMEOUT_S, ForwardedStop, Replica, ReplicaDown
+from pqcache.cluster.replicas import PROBE_TIMEOUT_S, ForwardedStop, Replica, ReplicaDown, cluster_summary
 from pqcache.cluster.views import RemoteDocument, ReplicaError, error_of
 from pqcache.engine.errors import NoDocumentError, PQCacheError, SessionEvictedError
 from pqcache.serving.worker import CHAT
@@ -39,25 +39,6 @@ class Home:
     replica: Replica
     incarnation: str
     document: RemoteDocument | None = field(default=None)
-
-
-def cluster_summary(replicas: list[Replica]) -> dict:
-    """Users with a document, users being served, cache bytes and the cap: the replicas' added up; and each
-    replica's own figures ("workers": its users, cache bytes, resident memory; up or not)."""
-    total = {"users": 0, "busy": 0, "cache_bytes": 0, "max_bytes": 0, "replicas": len(replicas), "up": 0}
-    workers = []
-    for replica in replicas:
-        try:
-            s = replica.call("summary", timeout_s=PROBE_TIMEOUT_S)
-        except ReplicaDown:
-            workers.append({"index": replica.index, "up": False})
-            continue
-        replica.down = False
-        total["up"] += 1
-        for key in ("users", "busy", "cache_bytes", "max_bytes"):
-            total[key] += s[key]
-        workers.append({"index": replica.index, "up": True, **s})
-    return {**total, "workers": workers}
 
 
 class ClusterDocuments:
@@ -240,20 +221,23 @@ class ClusterDocuments:
 
     def _asker(self, user: str, home: Home):
         def ask(question, method, max_new_tokens, observe, conversation):
-            try:
-                for part in home.replica.stream(
-                    "ask", user, home.incarnation, question, method, max_new_tokens, observe, conversation
-                ):
-                    if part.get("lost"):
-                        raise ReplicaDown("another incarnation")
-                    yield part
-            except ReplicaDown:
-                self._lose(home)
-                with self.lock:
-                    self.untold.discard(user)  # the chat tells them now
-                raise SessionEvictedError(LOST.format(index=home.replica.index)) from None
+            return self._stream(user, home, "ask", question, method, max_new_tokens, observe, conversation)
 
         return ask
+
+    def _stream(self, user: str, home: Home, op: str, *args):
+        """The replica's stream of `op` for the user's document (their incarnation first); a replica lost meanwhile
+        (or restarted: another incarnation) raises SessionEvictedError, which tells the user now."""
+        try:
+            for part in home.replica.stream(op, user, home.incarnation, *args):
+                if part.get("lost"):
+                    raise ReplicaDown("another incarnation")
+                yield part
+        except ReplicaDown:
+            self._lose(home)
+            with self.lock:
+                self.untold.discard(user)  # the reply tells them now
+            raise SessionEvictedError(LOST.format(index=home.replica.index)) from None
 
     def replica_of(self, user: str) -> int | None:
         """The index of the replica holding the user's document (None: none)."""
@@ -282,18 +266,11 @@ class ClusterDocuments:
         """A streamed replica call about the user's document (their incarnation first): its `result`."""
         if self.session(user) is None:
             raise NoDocumentError("load a document first")
-        home = self.homes[user]
-        try:
-            for part in home.replica.stream(op, user, home.incarnation, *args):
-                if part.get("lost"):
-                    raise ReplicaDown("another incarnation")
-                if "error" in part:
-                    raise error_of(part)
-                if result in part:
-                    return part[result]
-        except ReplicaDown:
-            self._lose(home)
-            raise SessionEvictedError(LOST.format(index=home.replica.index)) from None
+        for part in self._stream(user, self.homes[user], op, *args):
+            if "error" in part:
+                raise error_of(part)
+            if result in part:
+                return part[result]
         raise ReplicaError(f"the worker ended its {op} without a result")
 
     def fork_conversation(self, user: str, conversation: str = CHAT, into: str = "fork") -> dict:

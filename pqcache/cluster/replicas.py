@@ -1,5 +1,6 @@
 """The app's handle on one replica: a call or a stream that turns Ray's failures into ReplicaDown (and marks the
-replica down), and a user's stop event that reaches the replica holding their document."""
+replica down), a user's stop event that reaches the replica holding their document, and the replicas' figures added
+up for the page's server line."""
 
 from __future__ import annotations
 
@@ -57,3 +58,22 @@ class ForwardedStop(threading.Event):
     def clear(self):
         super().clear()
         self._forward("clear_stop")
+
+
+def cluster_summary(replicas: list[Replica]) -> dict:
+    """Users with a document, users being served, cache bytes and the cap: the replicas' added up; and each
+    replica's own figures ("workers": its users, cache bytes, resident memory; up or not)."""
+    total = {"users": 0, "busy": 0, "cache_bytes": 0, "max_bytes": 0, "replicas": len(replicas), "up": 0}
+    workers = []
+    for replica in replicas:
+        try:
+            s = replica.call("summary", timeout_s=PROBE_TIMEOUT_S)
+        except ReplicaDown:
+            workers.append({"index": replica.index, "up": False})
+            continue
+        replica.down = False
+        total["up"] += 1
+        for key in ("users", "busy", "cache_bytes", "max_bytes"):
+            total[key] += s[key]
+        workers.append({"index": replica.index, "up": True, **s})
+    return {**total, "workers": workers}

@@ -54,8 +54,9 @@ class Conversation:
     turns: list[Turn] = field(default_factory=list)
     ids: list[int] = field(default_factory=list)  # every token read after the document, in order
     open_user_turn: bool = False  # an added document was read into a user turn the next question closes
-    # what was read into the cache, in order: ("read", ids) for a chunk (a question, a document, a given answer),
-    # ("fed", ids) for decoded tokens read one at a time: replaying it rebuilds the same cache (record, replay)
+    # what was read into the cache, in order: ("ask" | "document" | "tell", ids) for a chunk (a question, an added
+    # document, a turn with its given answer), ("fed", ids) for decoded tokens read one at a time: replaying it
+    # rebuilds the same cache (record, replay)
     log: list = field(default_factory=list)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # its name in the document store
 

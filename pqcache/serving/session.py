@@ -163,9 +163,9 @@ class DocumentSession:
         if timed:  # the prefill's own seconds, without the wait for the model's lock
             loaded = replace(loaded, seconds=timed[0])
         self.store_key = loaded.key
-        return self._loaded(loaded, ids, n_doc, text, observed[0] if observed else None)
+        return self._loaded(loaded, ids, n_doc, truncated, text, observed[0] if observed else None)
 
-    def _loaded(self, loaded: LoadedCache, ids, n_doc: int, text: str, obs=None) -> dict:
+    def _loaded(self, loaded: LoadedCache, ids, n_doc: int, truncated, text: str, obs=None) -> dict:
         """The loaded document's state, and load()'s answer: tokens, how it was read and the cache's figures."""
         cache, seconds = loaded.cache, loaded.seconds
         self.cache, self.n_tokens = cache, int(ids.shape[1])
@@ -173,7 +173,7 @@ class DocumentSession:
         self.prefill_s = seconds if loaded.read_from == "prefill" else 0.0
         self.read_from, self.read_s = loaded.read_from, seconds
         self.doc_ids = ids[0].tolist()
-        self.truncated = (self.n_tokens, n_doc) if self.n_tokens < n_doc else None
+        self.truncated = truncated
         self.doc_text, self._spans = text, None
         self.spans()  # each position's characters, for the answers' sources (a second tokenization, with offsets)
         info = {"tokens": self.n_tokens, "document_tokens": n_doc, "prefill_s": self.prefill_s}

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 import uuid
 
-from pqcache.serving.store import DocumentStore, NotInStore, StoreError
+from pqcache.serving.conversation import Conversation
+from pqcache.serving.store import DocumentStore
 
 FOLDER = "conversations"
 
@@ -41,41 +41,31 @@ def save_conversation(store: DocumentStore, key: str, record: dict) -> str | Non
     return None
 
 
-def stored_conversations(store: DocumentStore, key: str) -> list[dict]:
-    """Entry `key`'s conversations, the most recently written first: id, method, updated, turns (each kind and
-    text); unreadable records are left out."""
-    found = []
+def latest_conversation(store: DocumentStore, key: str, method: str) -> dict | None:
+    """The record of entry `key`'s most recently written conversation with `method`, or None (unreadable records
+    are passed over)."""
+    latest = None
     for path in (store.root / key / FOLDER).glob("*.json"):
-        if path.name.startswith("."):
+        if path.name.startswith("."):  # a write in progress
             continue
         try:
             record = json.loads(path.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             continue
-        turns = [{"kind": t["kind"], "text": t["text"], "answer": t["answer"]} for t in record["turns"]]
-        found.append({"id": record["id"], "method": record["method"], "updated": record["updated"], "turns": turns})
-    return sorted(found, key=lambda r: r["updated"], reverse=True)
+        if record.get("method") == method and (latest is None or record["updated"] > latest["updated"]):
+            latest = record
+    return latest
 
 
-def read_conversation(store: DocumentStore, key: str, conversation_id: str) -> dict:
-    """A kept record; NotInStore when there is none, StoreError when it cannot be read."""
-    if not re.fullmatch(r"[0-9a-f]{16}", conversation_id or ""):
-        raise StoreError(f"{conversation_id!r} is not a kept conversation's id")
-    path = store.root / key / FOLDER / f"{conversation_id}.json"
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise NotInStore(f"{key}/{conversation_id}") from None
-    except (OSError, ValueError) as exc:
-        raise StoreError(f"the kept conversation is unreadable ({exc})") from None
+def keep(store: DocumentStore | None, talk) -> str | None:
+    """A conversation kept beside its document's entry after a turn: None when kept, or when there is no entry to
+    keep it beside; else the line saying why it was not."""
+    key = getattr(talk.session, "store_key", None)
+    return None if store is None or key is None else save_conversation(store, key, talk.record())
 
 
-def latest_conversation(store: DocumentStore, key: str, method: str) -> dict | None:
-    """The record of entry `key`'s most recently written conversation with `method`, or None."""
-    for kept in stored_conversations(store, key):
-        if kept["method"] == method:
-            try:
-                return read_conversation(store, key, kept["id"])
-            except StoreError:
-                continue
-    return None
+def resume(store: DocumentStore | None, session, method: str, stop=None):
+    """The document's last kept conversation with `method`, replayed on `session` (Conversation.replay), or None."""
+    key = getattr(session, "store_key", None)
+    record = None if store is None or key is None else latest_conversation(store, key, method)
+    return None if record is None else Conversation.replay(session, record, stop)

@@ -25,7 +25,7 @@ from pqcache.serving.pool import SessionPool
 from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import LoadSettings, in_form_words
-from pqcache.serving.stored_conversations import latest_conversation, save_conversation
+from pqcache.serving.stored_conversations import keep, resume
 
 SLOT = "qa"
 CHAT = "chat"  # the name of a user's conversation where none is given (the page's one)
@@ -129,7 +129,7 @@ class DocumentWorker:
         when a new conversation started for another method. The conversation is counted under the memory cap."""
         talk, note = self.conversation(user, method, conversation)
         answer = talk.ask(question, method, max_new_tokens, stop=stop, observer=observer, on_token=on_token)
-        answer.note = " ".join(filter(None, [note, self._keep(talk)]))
+        answer.note = " ".join(filter(None, [note, keep(self.store, talk)]))
         self._count(user)
         return answer
 
@@ -137,23 +137,17 @@ class DocumentWorker:
         """Read `text` into the user's conversation (once, its own K-Means), to ask across both; its tokens."""
         talk, _ = self.conversation(user, method, conversation)
         n = talk.add_document(text, name, stop=stop)
-        self._keep(talk)
+        keep(self.store, talk)
         self._count(user)
         return n
 
     def fork_conversation(self, user: str, conversation: str = CHAT, into: str = "fork") -> dict:
         """A copy of the user's conversation under another name, to go its own way (the document is shared); its
         state. NoDocumentError when there is no such conversation."""
-        with self.talk_lock:
-            talk = self.conversations.get((user, conversation))
-            if talk is None or talk.cache is None:
-                raise NoDocumentError(f"no conversation {conversation!r} to fork: ask a question first")
-            old = self.conversations.pop((user, into), None)
-            self.conversations[(user, into)] = talk.fork()
-        if old is not None:
-            old.close()
-        self._count(user)
-        return self.conversation_state(user, into)
+        talk = self.conversations.get((user, conversation))
+        if talk is None or talk.cache is None:
+            raise NoDocumentError(f"no conversation {conversation!r} to fork: ask a question first")
+        return self._install(user, into, talk.fork())
 
     def resume_conversation(self, user: str, method: str, conversation: str = CHAT, stop=None) -> dict | None:
         """The latest conversation kept beside the user's document for `method` (a reload, a restart, a lost
@@ -161,18 +155,18 @@ class DocumentWorker:
         session = self.session(user)
         if session is None:
             raise NoDocumentError("load a document first")
-        key = getattr(session, "store_key", None)
-        record = None if self.store is None or key is None else latest_conversation(self.store, key, method)
-        if record is None:
-            return None
-        talk = Conversation.replay(session, record, stop)
+        talk = resume(self.store, session, method, stop)
+        return None if talk is None else self._install(user, conversation, talk)
+
+    def _install(self, user: str, name: str, talk: Conversation) -> dict:
+        """`talk` as the user's conversation `name` (one there before is closed), counted; its state."""
         with self.talk_lock:
-            old = self.conversations.pop((user, conversation), None)
-            self.conversations[(user, conversation)] = talk
+            old = self.conversations.pop((user, name), None)
+            self.conversations[(user, name)] = talk
         if old is not None:
             old.close()
         self._count(user)
-        return self.conversation_state(user, conversation)
+        return self.conversation_state(user, name)
 
     def new_conversation(self, user: str, conversation: str | None = None):
         """Back to the document alone: the user's conversation (None: every one) ends, the document stays."""
@@ -194,14 +188,6 @@ class DocumentWorker:
         added = [t.text for t in talk.turns if t.kind == "document"]
         turns = [{"kind": t.kind, "text": t.text, "answer": t.answer} for t in talk.turns]
         return {"tokens": talk.n_tokens, "asked": asked, "added": added, "limit": talk.limit, "turns": turns}
-
-    def _keep(self, talk: Conversation) -> str:
-        """The conversation kept beside its document in the store (after each turn): "" when kept or when there is
-        no store entry to keep it beside, else the line saying why not."""
-        key = getattr(talk.session, "store_key", None)
-        if self.store is None or key is None:
-            return ""
-        return save_conversation(self.store, key, talk.record()) or ""
 
     def _count(self, user: str):
         """The user's document and its conversations under the memory cap (a conversation's bytes from the
