@@ -3,9 +3,7 @@ panels at a rate it keeps up with (studio/panels.py)."""
 
 from __future__ import annotations
 
-import queue
 import re
-import threading
 import time
 
 import gradio as gr
@@ -14,6 +12,7 @@ from pqcache.serving.session import step_ms
 from studio.common import describe, notices
 from studio.panels import PANEL_EVERY_S
 from studio.sources import chat_quotes
+from studio.threadwork import ThreadWork
 
 CHAT_EVERY_S = 0.3  # the streamed answer is sent at most this often
 ENDINGS = {  # why an answer ended (Answer.ended), as the chat says it
@@ -37,36 +36,20 @@ def stream_answer(ask, session, chat, method, max_new_tokens, stop, obs, feed, o
     (memory excepted) at most every PANEL_EVERY_S seconds, all changed panels at the end. The chat's last message is
     the answer, with the method, its tokens, why it ended and the passages it read most (its sources);
     on_done(answer) once it has ended; more(answer): text for the end of the timing line."""
-    updates: queue.Queue = queue.Queue()
-    result: dict = {}
 
-    def work():
-        try:
-            result["answer"] = ask(
-                max_new_tokens=max_new_tokens, stop=stop, observer=obs, on_token=lambda a: updates.put(a.text)
-            )
-        except Exception as exc:  # shown in the chat; the session stays usable
-            result["error"] = describe(exc)
-        updates.put(None)
+    def work(post):
+        return ask(max_new_tokens=max_new_tokens, stop=stop, observer=obs, on_token=lambda a: post(a.text))
 
     chat.append({"role": "assistant", "content": f"*{method} is reading the question...*"})
-    worker = threading.Thread(target=work, daemon=True, name="pqcache-answer")
-    worker.start()
     t0 = last_chat = last_panels = time.perf_counter()
-    text, sent, done = None, None, False
-    try:
+    text = sent = None
+    with ThreadWork(work, stop, "pqcache-answer") as job:
         yield chat, f"{method}: reading the question...", *(gr.skip(),) * 5
-        while not done:
-            try:
-                item = updates.get(timeout=CHAT_EVERY_S)
-                while item is not None and not updates.empty():
-                    item = updates.get_nowait()  # only the latest text matters
-                done, text = item is None, text if item is None else item
-            except queue.Empty:
-                pass
+        for posted in job.posts(CHAT_EVERY_S):
+            text = posted if posted is not None else text
             now = time.perf_counter()
             first = sent is None and text is not None  # the first words go out at once, not at the next tick
-            if done or (now - last_chat < CHAT_EVERY_S and not first):
+            if now - last_chat < CHAT_EVERY_S and not first:
                 continue
             panels = (gr.skip(),) * 5
             if now - last_panels >= PANEL_EVERY_S:  # memory waits for the end: the answer's cache statistics
@@ -78,15 +61,11 @@ def stream_answer(ask, session, chat, method, max_new_tokens, stop, obs, feed, o
             last_chat = now
             doing = "stopping at the next token" if stop.is_set() else "generating"
             yield chat, f"{method}: {doing}... {now - t0:.1f} s", *panels
-    finally:  # the page went away mid-answer (GeneratorExit): stop the worker, do not leak it
-        if not done:
-            stop.set()
-            worker.join(timeout=30)
-    if "error" in result:
-        chat[-1]["content"] = f"Error: {result['error']}"
+    if job.error is not None:  # shown in the chat; the session stays usable
+        chat[-1]["content"] = f"Error: {describe(job.error)}"
         yield chat, "", *feed.figures()
         return
-    answer = result["answer"]
+    answer = job.value
     if getattr(answer, "note", ""):  # a new conversation started: said above the question that started it
         chat.insert(max(0, len(chat) - 2), {"role": "assistant", "content": answer.note})
     n, seconds = len(answer.tokens), answer.seconds

@@ -4,8 +4,6 @@ worker thread while the status line shows its progress; Stop ends it at the next
 from __future__ import annotations
 
 import os
-import queue
-import threading
 import time
 
 import gradio as gr
@@ -15,6 +13,7 @@ from pqcache.serving.documents import read_document
 from pqcache.serving.settings import LoadSettings
 from studio.common import ASSETS, describe, user_of
 from studio.status import document_name
+from studio.threadwork import ThreadWork
 
 SAMPLE = "passkey_1k.txt"  # the document *Try a sample* loads (assets/)
 WAIT_S = 0.5  # how often a load's progress (and a waiting question) is looked at
@@ -60,53 +59,36 @@ class LoadHandlers:
         self.feed(user)
         self.pool.entry(user).stop.clear()  # before the load shows: a Stop from now on ends this load
         load = self.status.start(user, name)
-        updates: queue.Queue = queue.Queue()
-        result: dict = {}
+        job = None
         try:
             yield self.status.line(user), *skip
             with self.pool.use(user) as entry:
 
-                def progress(fraction, step):
-                    load.fraction, load.step = fraction, step
-                    updates.put(1)
+                def work(post):
+                    def progress(fraction, step):
+                        load.fraction, load.step = fraction, step
+                        post(1)
 
-                def work():
-                    try:
-                        studio.server.config_for(settings)  # the form is checked before the file
-                        text = read(settings.text_encoding)
-                        result["session"] = self.pool.load(user, name, text, settings, progress, entry.stop)
-                    except Exception as exc:  # shown on the status line; the page stays as it was
-                        result["error"] = exc
-                    updates.put(None)
+                    studio.server.config_for(settings)  # the form is checked before the file
+                    text = read(settings.text_encoding)
+                    return self.pool.load(user, name, text, settings, progress, entry.stop)
 
-                worker = threading.Thread(target=work, daemon=True, name="pqcache-load")
-                worker.start()
-                done, shown, sent = False, None, 0.0
-                try:
-                    while not done:
-                        try:
-                            done = updates.get(timeout=WAIT_S) is None
-                            while not done and not updates.empty():
-                                done = updates.get_nowait() is None
-                        except queue.Empty:
-                            pass
+                shown, sent = None, 0.0
+                with ThreadWork(work, entry.stop, "pqcache-load") as job:
+                    for _ in job.posts(WAIT_S):
                         line, now = self.status.line(user), time.monotonic()
                         # at most one update a second: each costs the server's event loop (and the GIL the
                         # prefill's operators wait for) a few ms per output, skipped ones included
-                        if not done and line != shown and now - sent >= PROGRESS_EVERY_S:
+                        if line != shown and now - sent >= PROGRESS_EVERY_S:
                             shown, sent = line, now
                             yield line, *skip
-                finally:  # the page went away mid-load (GeneratorExit): stop the prefill, do not leak it
-                    if not done:
-                        entry.stop.set()
-                        worker.join(timeout=30)
         finally:  # the worker stored the new document, or gave its reservation back
-            error = result.get("error")
-            stopped = isinstance(error, Cancelled) or "session" not in result and error is None
+            error = None if job is None else job.error
+            stopped = isinstance(error, Cancelled) or error is None and (job is None or job.value is None)
             self.status.finish(
                 user, "Stopped: the document was not loaded." if stopped else error and f"**Error:** {describe(error)}"
             )
-        yield self.status.line(user), *self._show(user, result.get("session"), error)
+        yield self.status.line(user), *self._show(user, job.value, error)
 
     def _show(self, user: str, session, error) -> tuple:
         """The layer choices and panels after a load: the new document's, or (after a failure) the active one's,

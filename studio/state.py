@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.server_settings import ServerSettings
+from pqcache.serving.service import DocumentsService
 from pqcache.serving.worker import DocumentWorker
 
 
@@ -15,9 +16,9 @@ class Studio:
     tokenizer: object
     pool: SessionPool  # this process's caches: the Teaching tab's, and the Q&A tab's when documents is local
     server: ServerSettings = field(default_factory=ServerSettings)  # app.py's flags, as the worker got them
-    # where the Q&A tab's documents live: None builds the in-process worker around model and pool; a Ray
-    # cluster's client (pqcache.cluster) has the same calls
-    documents: object = None
+    # where the Q&A tab's documents live (the one interface the page uses): None builds the in-process worker
+    # around model and pool; with --ray, the cluster's client (pqcache.cluster)
+    documents: DocumentsService | None = None
     store: object = None  # a DocumentStore the in-process worker reads documents from and saves them to
     concurrency: int | None = None  # the page's requests using a model at once (None: the server's; Ray: all replicas')
 

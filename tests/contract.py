@@ -7,12 +7,14 @@ input, unload, a document read back from the store, and its conversation with it
 A module that imports these tests gives two fixtures: `service` (the implementation, each test a fresh user) and
 `reference` ((model, tokenizer): the same weights in this process, for the engine's own answers)."""
 
+import inspect
 import itertools
 
 import pytest
 
 from pqcache import Cancelled, NoDocumentError, PQCacheError
 from pqcache.serving.conversation import Conversation
+from pqcache.serving.service import DocumentsService
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import LoadSettings
 
@@ -29,6 +31,20 @@ def user(service):
     name = f"user-{next(_users)}"
     yield name
     service.end(name)
+
+
+def test_keeps_the_interface(service):
+    """Every call of the documents interface (serving/service.py), taking at least its parameters, by name and in
+    order, with the same defaults (an implementation may add optional parameters of its own after them)."""
+    assert isinstance(service, DocumentsService)
+    for name, declared in vars(DocumentsService).items():
+        if name.startswith("_") or not callable(declared):
+            continue
+        wanted = list(inspect.signature(declared).parameters.values())[1:]  # without self
+        given = list(inspect.signature(getattr(service, name)).parameters.values())
+        assert [p.name for p in given[: len(wanted)]] == [p.name for p in wanted], name
+        assert [p.default for p in given[: len(wanted)]] == [p.default for p in wanted], name
+        assert all(p.default is not p.empty for p in given[len(wanted) :]), name
 
 
 def load(service, user, text=DOCUMENT, settings=SETTINGS, **kw):

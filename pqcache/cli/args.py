@@ -147,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="with --store: continue the document's last kept conversation (for this method): follow-ups see its turns",
     )
+    c.add_argument(
+        "--ray",
+        default=None,
+        metavar="ADDRESS",
+        help="hold the document and the conversation on a Ray Serve replica: 'local' (a private cluster on this "
+        "machine), 'auto' (the one `ray start` runs here) or HOST:PORT; default: in this process",
+    )
 
     b = sub.add_parser("bench", help="benchmarks that print side-by-side ratios")
     b.add_argument(

@@ -23,7 +23,7 @@ from pqcache.cluster.reopen import Reopener
 from pqcache.cluster.replicas import PROBE_TIMEOUT_S, ForwardedStop, Replica, ReplicaDown, cluster_summary
 from pqcache.cluster.views import RemoteDocument, ReplicaError, error_of
 from pqcache.engine.errors import NoDocumentError, PQCacheError, SessionEvictedError
-from pqcache.serving.worker import CHAT
+from pqcache.serving.service import CHAT
 
 LOST = "your document was unloaded: the worker holding it (replica {index}) stopped; load it again"
 

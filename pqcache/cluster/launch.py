@@ -52,11 +52,11 @@ def connect(address: str | None, **init) -> float:
     return ray.cluster_resources().get("CPU", 0.0)
 
 
-def start_workers(replicas: int, server: ServerSettings, replica_cpus: float = 1.0) -> ClusterDocuments:
+def start_workers(replicas: int, server: ServerSettings, replica_cpus: float = 1.0, app: str = APP) -> ClusterDocuments:
     """Deploy `replicas` document workers, each started with the server's settings whole (each loads the model as
     load_model does: this waits until all are up), and return the client. server.store_dir: a document store every
     replica reads and writes (a path every node sees); a lost replica's users are then reopened from it on a live
-    one."""
+    one. app: the Serve application's name (another name leaves the app's own workers on the cluster alone)."""
     from ray import serve
 
     from pqcache.cluster.replica import DocumentReplica
@@ -73,6 +73,8 @@ def start_workers(replicas: int, server: ServerSettings, replica_cpus: float = 1
         ray_actor_options={"num_cpus": replica_cpus},
         health_check_period_s=2,
         health_check_timeout_s=30,
+        # no line per call: the page polls its replica's status each second, and a line per poll hides what matters
+        logging_config={"enable_access_log": False},
     )
     worker = serve.deployment(DocumentReplica)
     workers = [
@@ -80,16 +82,16 @@ def start_workers(replicas: int, server: ServerSettings, replica_cpus: float = 1
     ]
     roster = serve.deployment(Roster).options(name="roster", ray_actor_options={"num_cpus": 0})
     serve.start(proxy_location="Disabled")
-    serve.run(roster.bind(*workers), name=APP, route_prefix=None)
-    handles = [serve.get_deployment_handle(worker_name(i), app_name=APP) for i in range(replicas)]
+    serve.run(roster.bind(*workers), name=app, route_prefix=None)
+    handles = [serve.get_deployment_handle(worker_name(i), app_name=app) for i in range(replicas)]
     return ClusterDocuments(handles, shared_store=server.store_dir is not None)
 
 
-def stop_workers():
+def stop_workers(app: str = APP):
     """Delete the application (its replicas end); the Ray cluster stays."""
     from ray import serve
 
     try:
-        serve.delete(APP)
+        serve.delete(app)
     except Exception as exc:  # noqa: BLE001 - at exit: the cluster may be gone already
-        print(f"could not delete the Ray Serve application {APP!r}: {exc}", flush=True)
+        print(f"could not delete the Ray Serve application {app!r}: {exc}", flush=True)

@@ -20,7 +20,7 @@ import uuid
 
 from pqcache.cluster.views import document_view, message_of
 from pqcache.serving.server_settings import ServerSettings
-from pqcache.serving.worker import CHAT
+from pqcache.serving.service import CHAT
 
 STREAM_EVERY_S = 0.25  # the growing answer is sent at most this often
 PANELS_EVERY_S = 1.0  # the panels' new records at most this often

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled, NoDocumentError, PQCacheError, SessionEvictedError
-from pqcache.serving.worker import CHAT
+from pqcache.serving.service import CHAT
 
 
 class ReplicaError(PQCacheError):

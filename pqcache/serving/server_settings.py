@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pqcache.engine.config import PQCacheConfig
 from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
 from pqcache.serving.pool import IDLE_S
-from pqcache.serving.settings import MAX_QUESTION_CHARS, LoadSettings
+from pqcache.serving.settings import MAX_QUESTION_CHARS, EngineSettings, LoadSettings
 
 
 @dataclass(frozen=True)
@@ -27,8 +27,11 @@ class ServerSettings:
     store_dir: str | None = None  # the document store's folder (None: no store, every load prefills)
     store_cap_bytes: int | None = None  # the store's size cap (None: a quarter of the free disk)
 
-    def config_for(self, form: LoadSettings) -> PQCacheConfig:
-        """The engine's config of a document loaded with the form's settings on this server."""
+    def config_for(self, form: LoadSettings | EngineSettings) -> PQCacheConfig:
+        """The engine's config of a document loaded with the form's settings on this server (EngineSettings: the
+        command line's config, whole)."""
+        if isinstance(form, EngineSettings):
+            return form.config
         return form.to_config(pq_timeout_s=self.pq_timeout_s, kv_dtype=self.kv_dtype)
 
     def make_pool(self):

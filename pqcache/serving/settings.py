@@ -161,3 +161,13 @@ ANSWER_OBSERVER = dict(timeline=True, attention_every=4, recall_every=4, max_sha
 def answer_observer() -> Instrumentation:
     """A new observer of one answer, as the app's Q&A tab attaches it."""
     return Instrumentation(**ANSWER_OBSERVER)
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """A load with the engine's whole config, as the command line gives it (`chat`: every engine flag), where the
+    page sends its form (LoadSettings). The documents service takes either."""
+
+    method: str
+    config: PQCacheConfig
+    truncate: str = "refuse"  # DocumentSession.load's: "refuse" a document longer than the model reads, or "middle"

@@ -1,6 +1,6 @@
-"""The document worker: one model and its session pool, behind the few calls the Q&A tab makes.
+"""The document worker: one model and its session pool, the documents service (serving/service.py) in one process.
 
-The app's Q&A tab talks to a worker, never to the model: in one process it is this DocumentWorker; on a Ray
+The app's Q&A tab talks to the service, never to the model: in one process it is this DocumentWorker; on a Ray
 cluster (pqcache/cluster/) it is a client with the same calls whose documents live on replicas, each replica
 holding a DocumentWorker of its own. The calls:
 
@@ -23,12 +23,12 @@ from pqcache.engine.errors import NoDocumentError, PQCacheConfigError, SessionEv
 from pqcache.serving.conversation import Conversation
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.server_settings import ServerSettings
+from pqcache.serving.service import CHAT
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import LoadSettings, in_form_words
 from pqcache.serving.stored_conversations import keep, resume
 
 SLOT = "qa"
-CHAT = "chat"  # the name of a user's conversation where none is given (the page's one)
 
 
 class DocumentWorker:

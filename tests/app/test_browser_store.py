@@ -3,18 +3,7 @@ loaded and asked about, the page reloaded (a new session, as a user's next visit
 documents* from the browser's storage and reopened with no prefill and with its conversation (the earlier turn back
 in the chat, the next question a follow-up that sees it); then deleted from the store."""
 
-import tempfile
-
-import pytest
-
-from tests.app.conftest import launch_app
 from tests.app.test_browser import ARGS, CHROMIUM, EXAMPLE, answer_text, answered, ask
-
-
-@pytest.fixture(scope="module")
-def store_app_url():
-    with tempfile.TemporaryDirectory() as tmp:
-        yield from launch_app("--store", tmp)
 
 
 def test_a_document_reopens_from_the_store_after_a_page_reload(store_app_url):

@@ -1,7 +1,7 @@
-"""The Q&A tab on a real local Ray cluster (started here, one per module): two replicas of the document worker, a
-tiny random chat model built in-process and saved to a temp folder. Users land on different replicas and stay on
-theirs; a killed replica unloads its users' documents only (they are told, and load again on a live replica); Stop
-reaches the replica; the panels' data crosses the boundary."""
+"""The Q&A tab on a real local Ray cluster (the tier's private instance: tests/cluster/conftest.py): two replicas
+of the document worker, a tiny random chat model built in-process and saved to a temp folder. Users land on
+different replicas and stay on theirs; a killed replica unloads its users' documents only (they are told, and load
+again on a live replica); Stop reaches the replica; the panels' data crosses the boundary."""
 
 import json
 import os
@@ -10,13 +10,10 @@ import time
 import types
 
 import pytest
-import ray
-from ray import serve
 
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.settings import LoadSettings
-from tests.tiny import SERVED, tiny_chat_model
 from tests.unit.test_qa_tab import outputs
 
 SHORT = " ".join(f"w{i % 41}" for i in range(60))  # ~240 tokens: loads in a blink
@@ -41,29 +38,10 @@ def wait_for(predicate, timeout=120.0, every=0.2):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """A random-weight Llama and its byte tokenizer (with a chat template), saved as a model folder."""
-    folder = tmp_path_factory.mktemp("tiny-chat-model")
-    model, tok = tiny_chat_model(**SERVED)
-    model.save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return folder
-
-
-@pytest.fixture(scope="module")
-def docs(model_dir):
-    """Two replicas on a private Ray cluster (2 CPUs, a small object store, no dashboard), shut down after."""
-    from pqcache.cluster import launch
-
-    launch.connect("local", num_cpus=2, object_store_memory=100 * 2**20, include_dashboard=False)
-    try:
-        server = ServerSettings(
-            model=str(model_dir), max_cache_bytes=2**28, idle_s=None, concurrency=1, pq_timeout_s=60
-        )
-        yield launch.start_workers(2, server, replica_cpus=0.5)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+def docs(local_ray, model_dir):
+    """Two replicas on the tier's private Ray instance (tests/cluster/conftest.py), half a CPU each."""
+    server = ServerSettings(model=str(model_dir), max_cache_bytes=2**28, idle_s=None, concurrency=1, pq_timeout_s=60)
+    return local_ray(2, server, replica_cpus=0.5)
 
 
 @pytest.fixture

@@ -11,19 +11,20 @@ from pqcache.serving.pool import SessionPool
 from pqcache.serving.settings import LoadSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-DOCUMENT = ROOT / "assets" / "realdocs" / "GPL-2.txt"  # about 3,950 tokens of a real licence
+LICENCE = ROOT / "assets" / "realdocs" / "GPL-2.txt"  # a real licence, about 3,950 tokens
+FIRST_CHARS = 7000  # its first sections, about 1,500 tokens (a third of the time; the question is about its head)
 QUESTION = "When was version 2 of this license released?"
 METHODS = ("full", "pqcache")
 USER = types.SimpleNamespace(session_hash="reader")
 
 
-def app_answers(model, tok) -> dict:
+def app_answers(model, tok, document: Path) -> dict:
     """{method: (answer text as the chat shows it, what the tab kept of it)} through the Q&A tab's handlers."""
     from studio import Studio
     from studio.qa import QATab
 
     tab = QATab(Studio(model, tok, SessionPool(max_bytes=2**30, idle_s=None)))
-    *_, loaded = tab.load_document(str(DOCUMENT), "", *LoadSettings().values(), request=USER)
+    *_, loaded = tab.load_document(str(document), "", *LoadSettings().values(), request=USER)
     assert loaded[0].startswith("Loaded"), loaded[0]
     out = {}
     for method in METHODS:
@@ -36,15 +37,18 @@ def app_answers(model, tok) -> dict:
 
 def test_the_app_the_cli_and_the_eval_give_the_same_tokens(real_model, cli, tmp_path):
     model, tok = real_model
-    app = app_answers(model, tok)
+    text = LICENCE.read_text(encoding="utf-8")
+    document = tmp_path / "GPL-2-head.txt"
+    document.write_text(text[: text.rindex("\n\n", 0, FIRST_CHARS)], encoding="utf-8")  # whole paragraphs
+    app = app_answers(model, tok, document)
     generated = {}
     for method in METHODS:
-        proc = cli("generate", "--context-file", DOCUMENT, "--question", QUESTION, "--method", method,
+        proc = cli("generate", "--context-file", document, "--question", QUESTION, "--method", method,
                    "--max-new-tokens", 24, "--json")  # fmt: skip
         assert proc.returncode == 0, proc.stderr
         generated[method] = json.loads(proc.stdout.strip().splitlines()[-1])
     cases, rows = tmp_path / "case.jsonl", tmp_path / "rows.jsonl"
-    case = {"id": "gpl2", "context": DOCUMENT.read_text(encoding="utf-8"), "question": QUESTION}
+    case = {"id": "gpl2", "context": document.read_text(encoding="utf-8"), "question": QUESTION}
     cases.write_text(json.dumps({**case, "answers": ["June 1991"], "query_aware": False}) + "\n")
     proc = cli("eval", "--cases", cases, "--methods", ",".join(METHODS), "--max-new-tokens", 24, "--out", rows)
     assert proc.returncode == 0, proc.stderr

@@ -11,16 +11,18 @@ from ray import serve
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.settings import LoadSettings
-from tests.cluster.test_cluster import LONG, SHORT, ask, load, model_dir, told, user, wait_for  # noqa: F401  (model_dir: fixture)
+from tests.cluster.conftest import end_ray
+from tests.cluster.test_cluster import LONG, SHORT, ask, load, told, user, wait_for
 
 
 @pytest.fixture(scope="module")
-def nodes(model_dir, tmp_path_factory):  # noqa: F811
+def nodes(model_dir, tmp_path_factory):
     """Two Ray nodes, a replica on each (each reserves the node's one CPU), one store folder both replicas use."""
     from ray.cluster_utils import Cluster
 
     from pqcache.cluster import launch
 
+    end_ray()  # the tier's single-node instance, if an earlier module started it
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
     worker_node = cluster.add_node(num_cpus=1)
     store = tmp_path_factory.mktemp("store")
@@ -61,7 +63,7 @@ def engine_turns(folder, text, turns=2) -> list[str]:
         session.close()
 
 
-def test_a_removed_node_loses_no_document_and_no_turn(nodes, model_dir):  # noqa: F811 - the fixture imported above
+def test_a_removed_node_loses_no_document_and_no_turn(nodes, model_dir):
     """Each user asks once; the worker node goes; the lost user's follow-up is answered token for token as it would
     have been without the loss (the document and its conversation reopened from the store), said once."""
     from studio import Studio
