@@ -6,11 +6,16 @@ asks it and says what it holds."""
 
 from __future__ import annotations
 
+import time
+
 import gradio as gr
 
+from pqcache import Cancelled
 from pqcache.serving.documents import read_document
 from studio.common import describe, user_of
+from studio.qa_load import PROGRESS_EVERY_S, WAIT_S
 from studio.status import document_name
+from studio.threadwork import ThreadWork
 
 NO_CONVERSATION = "Load a document first: a conversation is about a document."
 
@@ -42,17 +47,45 @@ class ConversationHandlers:
         return [], f"A new conversation about **{name}** ({session.n_tokens:,} tokens, read once: not again)."
 
     def add_to_conversation(self, file, pasted, encoding, method, request: gr.Request):
-        """Read an attached file (else the pasted text) into the user's conversation, to ask across both."""
+        """Read an attached file (else the pasted text) into the user's conversation, to ask across both: as a load,
+        its progress on the status line and Stop ending it (the conversation then stays as it was). Yields the
+        status line and the timing line."""
         user = user_of(request)
         session, _ = self.status.active(user)
         if session is None:
-            return NO_CONVERSATION
+            yield gr.skip(), NO_CONVERSATION
+            return
         name = document_name(file, pasted)
+        entry = self.pool.entry(user)
+        entry.stop.clear()
+        adding = self.status.start(user, name, adding=True)
+        job = None
         try:
-            with self.pool.use(user) as entry:
-                entry.stop.clear()
-                text = read_document(file, pasted, encoding=None if encoding in (None, "", "utf-8") else encoding)
-                n = self.pool.add_document(user, name, text, method, stop=entry.stop)
-        except Exception as exc:  # a bad file, a conversation past the context: said, the conversation kept
-            return f"**Error:** {describe(exc)}"
-        return f"Added **{name}** ({n:,} tokens) to the conversation: ask about it{self.conversation_line(user)}."
+            yield self.status.line(user), ""
+            with self.pool.use(user):
+
+                def work(post):
+                    def progress(fraction, step):
+                        adding.fraction, adding.step = fraction, step
+                        post(1)
+
+                    text = read_document(file, pasted, encoding=None if encoding in (None, "", "utf-8") else encoding)
+                    return self.pool.add_document(user, name, text, method, entry.stop, progress=progress)
+
+                shown, sent = None, 0.0
+                with ThreadWork(work, entry.stop, "pqcache-add") as job:
+                    for _ in job.posts(WAIT_S):
+                        line, now = self.status.line(user), time.monotonic()
+                        if line != shown and now - sent >= PROGRESS_EVERY_S:
+                            shown, sent = line, now
+                            yield line, gr.skip()
+        finally:  # a bad file, a Stop, a conversation past the context: said, the conversation kept
+            error = None if job is None else job.error
+            stopped = isinstance(error, Cancelled) or error is None and (job is None or job.value is None)
+            said = f"Stopped: {name} was not added; the conversation is as it was." if stopped else None
+            self.status.finish(user, said or error and f"**Error:** {describe(error)}")
+        if job.value is None:
+            yield self.status.line(user), ""
+            return
+        added = f"Added **{name}** ({job.value:,} tokens) to the conversation: ask about it"
+        yield self.status.line(user), added + self.conversation_line(user) + "."

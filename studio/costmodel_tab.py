@@ -90,7 +90,10 @@ def build_cost_tab():
         c_ctx = gr.Number(context, label="context (tokens)", precision=0)
         c_batch = gr.Number(batch, label="batch", precision=0)
         c_budget = gr.Number(budget, label="token budget: a fraction of the context (0.1) or a count of tokens (2048)")
-    c_table = gr.Dataframe(headers=HEADERS, interactive=False, elem_id="cost-table")
+    # wrapped, the verdict column widest: a verdict ("does not fit (140.3 GiB > 79.6 GiB)") is read whole
+    c_table = gr.Dataframe(
+        headers=HEADERS, interactive=False, wrap=True, column_widths=["34%", "22%", "44%"], elem_id="cost-table"
+    )
     c_plot = gr.Plot(label="memory vs context", show_label=False, elem_id="cost-plot")
     inputs = [c_model, c_ctx, c_batch, c_gpu, c_link, c_budget]
     gr.on(

@@ -120,7 +120,7 @@ class PanelFeed:
                 "recall": lambda: figures.recall(data, method),
                 "hits": lambda: figures.hit_rate(data, method, block_cache_off(session)),
                 "timeline": lambda: figures.timeline(data, self.device, self.window),
-                "memory": lambda: figures.memory(stats),
+                "memory": lambda: figures.memory(stats, self.device),
             }
             changed = [name for name in PANELS if name not in hold and self.drawn.get(name) != keys[name]]
             changed.sort(key=lambda name: self.drawn_at.get(name, -1))

@@ -23,6 +23,9 @@ from studio.status import StatusBook
 from studio.your_documents import DocumentListHandlers
 
 NO_DOCUMENT = "Load a document first."
+RESTARTED = "The server restarted since your document was loaded: it is no longer in the server's memory; load it again"
+# what the browser keeps once told (gr.BrowserState keeps no empty value: "" would leave the old start in place)
+TOLD = "told"
 
 
 class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
@@ -162,6 +165,19 @@ class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
             self.feed(user).show(None)
         self.notices += 1  # the page updates its status line when this value changes: each notice is new
         return f"{line}<!-- notice {self.notices} -->"
+
+    def loaded_here(self, request: gr.Request):
+        """After a load: this server's start, kept in the browser while it holds the user's document."""
+        session, _ = self.status.active(user_of(request))
+        return self.studio.started if session is not None else gr.skip()
+
+    def restarted(self, kept: str, request: gr.Request):
+        """When the page opens: the status line says so when this browser's document was loaded before the server
+        last restarted (the browser kept that server's start; a page left open reconnects as a new page)."""
+        if kept in ("", TOLD, self.studio.started):
+            return gr.skip(), gr.skip()
+        where = " (or open it under *Your documents*)." if self.studio.store is not None else "."
+        return f"**Notice:** {RESTARTED}{where}\n\n{self.status.line(user_of(request))}", TOLD
 
     def refresh_panels(self, layer, window, request: gr.Request):
         feed = self.feed(user_of(request))

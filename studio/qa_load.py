@@ -16,6 +16,7 @@ from studio.status import document_name
 from studio.threadwork import ThreadWork
 
 SAMPLE = "passkey_1k.txt"  # the document *Try a sample* loads (assets/)
+SAMPLE_NAME = f"sample {SAMPLE}"  # its name on the status line and in Your documents
 WAIT_S = 0.5  # how often a load's progress (and a waiting question) is looked at
 PROGRESS_EVERY_S = 1.0  # a load's progress is sent to the page at most this often
 
@@ -48,11 +49,15 @@ class LoadHandlers:
     def load_sample(
         self, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, request: gr.Request
     ):
-        """The bundled sample document, with the load form's settings; its example questions become visible."""
+        """The bundled sample document, with the load form's settings."""
         settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, "utf-8", too_long)
         path = os.path.join(ASSETS, SAMPLE)
-        for out in self._load(user_of(request), f"sample {SAMPLE}", lambda enc: read_document(path), settings):
-            yield *out, gr.update(visible=True)
+        yield from self._load(user_of(request), SAMPLE_NAME, lambda enc: read_document(path), settings)
+
+    def examples_shown(self, request: gr.Request):
+        """The sample's example questions, shown while the sample is the active document (they are about it)."""
+        session, _ = self.status.active(user_of(request))
+        return gr.update(visible=getattr(session, "name", None) == SAMPLE_NAME)
 
     def _load(self, user: str, name: str, read, settings: LoadSettings):
         studio, skip = self.studio, (gr.skip(),) * 6  # the layer choices and 5 panels

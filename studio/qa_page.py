@@ -8,7 +8,6 @@ import os
 
 import gradio as gr
 
-from pqcache.serving.documents import SUPPORTED_TYPES
 from pqcache.serving.settings import ENCODINGS, LABELS, POLICIES, TOO_LONG, LoadSettings
 from studio.common import ASSETS
 from studio.panels import WINDOWS, placeholders
@@ -77,13 +76,15 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     d = LoadSettings()  # the form's defaults
     # outside any accordion: a closed one mounts its components only when opened, and the page reads the list at once
     listing = gr.BrowserState([], storage_key="pqcache-documents", secret=browser_secret())
+    # the start of the server that holds this browser's document: a restart since is said when the page opens
+    loaded_on = gr.BrowserState("", storage_key="pqcache-server", secret=browser_secret())
     gr.Markdown(how_to(), elem_id="how-to")
     with gr.Row():
         with gr.Column(scale=2):
             sample = gr.Button(f"Try a sample ({SAMPLE}, about 1,000 tokens)", elem_id="sample")
-            # the types the app reads (pqcache/serving/documents.py: .txt, .md, .pdf, and other files of text)
-            file = gr.File(label="Document (.txt, .md, .pdf or other text)", type="filepath", height=120,
-                           file_types=[*SUPPORTED_TYPES, "text"])  # fmt: skip
+            # any file: the app reads .txt, .md, .pdf and other files of text (pqcache/serving/documents.py) and says
+            # why it refuses another at Load (a file_types filter would drop a dropped .png without a word)
+            file = gr.File(label="Document (.txt, .md, .pdf or other text)", type="filepath", height=120)
             pasted = gr.Textbox(label="...or paste text", lines=3, max_lines=8, elem_id="pasted")
             gr.Markdown(RULE, elem_id="source-rule")
             with gr.Accordion("Settings", open=False, elem_id="settings"):
@@ -169,15 +170,20 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     for button in (load, sample):  # at once, in the browser: the status line says the load has begun
         button.click(None, None, [status], js=f"() => {json.dumps(STARTING)}", queue=False, api_name=False)
     remembered = dict(fn=tab.remember, inputs=[listing], outputs=[listing, listed], api_name=False)
-    load.click(
-        tab.load_document, [file, pasted, *settings], shown, api_name="load_document", **one_progress, **model_work
-    ).then(**remembered)
-    sample.click(
-        tab.load_sample, settings, [*shown, examples_box], api_name="load_sample", **one_progress, **model_work
-    ).then(**remembered)
-    reopen.click(
-        tab.reopen, [listed, listing, *settings], shown, api_name="reopen_document", **one_progress, **model_work
-    ).then(tab.resumed, [listed, method], [chat, gen_status], api_name=False, **model_work).then(**remembered)
+    # the sample's example questions belong to the sample: shown while it is the active document
+    examples_shown = dict(fn=tab.examples_shown, outputs=[examples_box], api_name=False, show_progress="hidden")
+    kept_where = dict(fn=tab.loaded_here, outputs=[loaded_on], api_name=False, show_progress="hidden")
+
+    def after_load(event):
+        """Every load is followed by the sample's questions shown or hidden, this server's start kept in the
+        browser (a restart since is said when the page opens), and the document listed under Your documents."""
+        event.then(**examples_shown).then(**kept_where).then(**remembered)
+
+    loading = dict(outputs=shown, **one_progress, **model_work)
+    after_load(load.click(tab.load_document, [file, pasted, *settings], api_name="load_document", **loading))
+    after_load(sample.click(tab.load_sample, settings, api_name="load_sample", **loading))
+    reopened = reopen.click(tab.reopen, [listed, listing, *settings], api_name="reopen_document", **loading)
+    after_load(reopened.then(tab.resumed, [listed, method], [chat, gen_status], api_name=False, **model_work))
     forget.click(tab.forget, [listed, listing], [listing, listed], api_name="delete_document", concurrency_limit=None)
     for trigger in (file.change, pasted.change):
         trigger(load_label, [file, pasted], [load], queue=False, show_progress="hidden", api_name=False)
@@ -198,10 +204,14 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     stop_btn.click(
         tab.stop_generation, None, [stopped], api_name="stop", concurrency_limit=None, show_progress="hidden"
     )
-    unload.click(tab.unload_document, None, shown, api_name="unload_document", concurrency_limit=None)
+    unload.click(tab.unload_document, None, shown, api_name="unload_document", concurrency_limit=None).then(
+        **examples_shown
+    )
     new_talk.click(tab.new_conversation, None, [chat, gen_status], api_name="new_conversation", **model_work)
-    add_doc.click(tab.add_to_conversation, [file, pasted, encoding, method], [gen_status], api_name="add_document",
-                  **model_work)  # fmt: skip
+    add_doc.click(
+        tab.add_to_conversation, [file, pasted, encoding, method], [status, gen_status], api_name="add_document",
+        **one_progress, **model_work,
+    )  # fmt: skip
     for control in (layer, window):
         control.change(
             tab.refresh_panels, [layer, window], plots, api_name=False, concurrency_limit=None, show_progress="hidden"
@@ -209,10 +219,11 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     server = gr.Markdown(tab.server_line(), elem_id="server-status")
     timer = gr.Timer(5.0)
     # the timer never writes the status line itself (its request would flash on it every 5 s): a notice lands in
-    # a hidden box, whose change (only when the server freed this user's document) updates the line
+    # a hidden box, whose change (only when the server freed this user's document, or restarted since the page's
+    # load: studio/ui.py) updates the line
     notice = gr.Markdown(visible=False, elem_id="notice")
     timer.tick(tab.pool_notice, None, [notice], api_name="notice", concurrency_limit=None, show_progress="hidden")
     notice.change(lambda line: line, [notice], [status], api_name=False, queue=False, show_progress="hidden")
     timer.tick(tab.server_line, None, [server], api_name=False, concurrency_limit=None, show_progress="hidden")
     gr.api(tab.server_status, api_name="server_status", concurrency_limit=None)
-    return listing, listed  # the page fills the list from the browser's storage when it opens (studio/ui.py)
+    return listing, listed, loaded_on, notice  # read when the page opens (studio/ui.py)

@@ -32,14 +32,23 @@ def quote(text: str, limit: int = 140) -> str:
 
 
 def chat_quotes(sources: list[dict]) -> str:
-    """The sources as Markdown quotes with their share, for under the answer in the chat."""
-    lines = [f"> \u201c{_md(quote(s['text']))}\u201d ({100 * s['share']:.0f}% of the attention)" for s in sources]
+    """The sources as Markdown quotes with their share (and the added document they are in), for under the answer
+    in the chat."""
+    lines = [
+        f"> \u201c{_md(quote(s['text']))}\u201d ({100 * s['share']:.0f}% of the attention{_in(s, _md)})"
+        for s in sources
+    ]
     return ("\n>\n".join(lines)) if lines else ""
 
 
 def choices(sources: list[dict]) -> list[str]:
     """The labels of the clickable sources."""
-    return [f"{i}. ({100 * s['share']:.0f}%) {quote(s['text'], 90)}" for i, s in enumerate(sources, 1)]
+    return [f"{i}. ({100 * s['share']:.0f}%{_in(s)}) {quote(s['text'], 90)}" for i, s in enumerate(sources, 1)]
+
+
+def _in(source: dict, escape=str) -> str:
+    """ ", in NAME" for a source in a document added to the conversation."""
+    return f", in {escape(source['document'])}" if source.get("document") else ""
 
 
 def document_view(text: str, answer: dict, index: int | None, show_missed: bool = False) -> str:
@@ -49,6 +58,11 @@ def document_view(text: str, answer: dict, index: int | None, show_missed: bool 
     if not text or index is None or not 0 <= index < len(sources):
         return STYLE + EMPTY_VIEW
     src = sources[index]
+    if src.get("document"):  # in a document added to the conversation: the view holds the first one's text
+        where = f"<div class='legend'><span><b>{html.escape(src['document'])}</b> (added to the conversation)"
+        return (
+            f"{STYLE}{where}</span></div><div class='doc-text'>{_piece(html.escape(src['text']), True, False, 0)}</div>"
+        )
     attended = sorted(answer.get("attended") or [])  # [start, end, weight] of tokens: they do not overlap
     missed = sorted(answer.get("missed") or []) if show_missed else []
     cuts = {0, len(text), src["start"], src["end"]}
@@ -85,5 +99,8 @@ def _piece(escaped: str, passage: bool, missed: bool, weight: float) -> str:
 
 
 def _md(text: str) -> str:
-    """Plain text inside Markdown: the characters Markdown would read as formatting are escaped."""
-    return "".join("\\" + c if c in "\\`*_[]<>#|" else c for c in text)
+    """Plain text inside Markdown: the characters Markdown would read as formatting are escaped, angle brackets and
+    ampersands as HTML entities (a backslash before ">" stays visible inside a link the chat finds in the text:
+    "<https://json.org\\>")."""
+    marks = {"&": "&amp;", "<": "&lt;", ">": "&gt;"}
+    return "".join(marks.get(c) or ("\\" + c if c in "\\`*_[]#|" else c) for c in text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, field
 
 from pqcache.serving.pool import SessionPool
@@ -21,6 +22,8 @@ class Studio:
     documents: DocumentsService | None = None
     store: object = None  # a DocumentStore the in-process worker reads documents from and saves them to
     concurrency: int | None = None  # the page's requests using a model at once (None: the server's; Ray: all replicas')
+    # this server's start: a page opened before a restart is told that its document is gone
+    started: str = field(default_factory=lambda: uuid.uuid4().hex)
 
     def __post_init__(self):
         if self.concurrency is None:

@@ -24,11 +24,13 @@ class Loading:
     step: str = "reading the document"
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None  # how it ended, when it failed
+    adding: bool = False  # read into the conversation (Add to the conversation), not loaded in place of the document
 
     def line(self) -> str:
         filled = round(BAR * self.fraction)
         bar = "\u25b0" * filled + "\u25b1" * (BAR - filled)
-        return f"Loading **{self.name}**: {self.step}  {bar} {100 * self.fraction:.0f} %"
+        what = f"Adding **{self.name}** to the conversation" if self.adding else f"Loading **{self.name}**"
+        return f"{what}: {self.step}  {bar} {100 * self.fraction:.0f} %"
 
 
 def document_name(file: str | None, pasted: str | None) -> str:
@@ -36,6 +38,20 @@ def document_name(file: str | None, pasted: str | None) -> str:
     if file:
         return os.path.basename(file)
     return f"pasted text ({len((pasted or '').strip()):,} characters)"
+
+
+def every_token(session) -> str:
+    """A sentence when the settings select every token of the document: the answers are full attention's then."""
+    config, n = getattr(session, "config", None), session.n_tokens
+    if session.method == "full" or config is None or not n:
+        return ""
+    n_init, n_topk, n_local = config.split(n)
+    if n_init + n_topk + n_local < n:
+        return ""
+    return (
+        f" These settings attend to every one of its {n:,} tokens ({n_init} sinks + {n_topk} top-k + a window of "
+        f"{n_local}): this is full attention; lower the budget or the window to select."
+    )
 
 
 def loaded_line(session) -> str:
@@ -53,16 +69,19 @@ def loaded_line(session) -> str:
             if info.get("from") == "store"
             else f" Prefill **{info['prefill_s']:.2f} s**"
         )
+        # the tiers as they are on this machine: on a CPU both are RAM (the working set and every token's KV)
+        on_gpu = str(getattr(session, "device", "cpu")).startswith("cuda")
+        tiers = ("device KV", "host KV") if on_gpu else ("working KV", "all tokens' KV")
         figures = (
-            f"{read}; PQ on layers {layers}; device KV "
-            f"{info['device_kv_bytes'] / 2**20:.1f} MiB, host KV {info['host_kv_bytes'] / 2**20:.1f} MiB, "
+            f"{read}; PQ on layers {layers}; {tiers[0]} "
+            f"{info['device_kv_bytes'] / 2**20:.1f} MiB, {tiers[1]} {info['host_kv_bytes'] / 2**20:.1f} MiB, "
             f"PQ {info['pq_bytes'] / 2**10:.0f} KiB"
             + (f", prefill queries {info['query_bytes'] / 2**20:.1f} MiB" if info.get("query_bytes") else "")
             + "."
         )
     return (
         f"Loaded **{session.n_tokens}** tokens of **{getattr(session, 'name', 'the document')}**, "
-        f"the active document (method {session.method}).{figures}{cut}{notices(info)}"
+        f"the active document (method {session.method}).{figures}{cut}{every_token(session)}{notices(info)}"
         + (f"\n\n**Notice:** the document was {info['store_note']}" if info.get("store_note") else "")
     )
 
@@ -76,10 +95,10 @@ class StatusBook:
         self.said: dict[str, str] = {}  # the last load's error or stop message, until the next load
         self.lock = threading.Lock()
 
-    def start(self, user: str, name: str) -> Loading:
+    def start(self, user: str, name: str, adding: bool = False) -> Loading:
         with self.lock:
             self.said.pop(user, None)
-            self.loading[user] = load = Loading(name)
+            self.loading[user] = load = Loading(name, adding=adding)
         return load
 
     def finish(self, user: str, message: str | None = None):
@@ -112,7 +131,9 @@ class StatusBook:
         parts = [said] if said else []
         if load is not None:
             parts.append(load.line())
-            if session is not None and session.cache is not None:  # replaced only once its successor is ready
+            if load.adding:
+                parts.append("A question now waits for it; if it stops or fails, the conversation stays as it was.")
+            elif session is not None and session.cache is not None:  # replaced only once its successor is ready
                 name = getattr(session, "name", "the document")
                 parts.append(f"A question now waits for it; if it stops or fails, **{name}** stays active.")
         if freed:
@@ -123,6 +144,10 @@ class StatusBook:
                 parts.append(f"Still active: **{name}** ({session.n_tokens} tokens); questions go to it.")
             else:
                 parts.append(loaded_line(session))
+            state = self.pool.conversation_state(user)
+            if state and state["added"]:  # every document the conversation holds, named where the document is
+                parts.append(f"The conversation holds **{getattr(session, 'name', 'the document')}** and, added: "
+                             + ", ".join(f"**{n}**" for n in state["added"]) + ".")  # fmt: skip
         elif load is None and not said and not freed:
             parts.append(NOTHING)
         elif load is None and said and not said.startswith("Stopped"):

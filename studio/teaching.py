@@ -135,10 +135,11 @@ class TeachingTab:
             # (PQCacheConfig.chunk_attention="exact"), every step from here on is the method's own selection
             first = steps[1] if len(steps) > 1 else steps[0] if steps else None
             positions = sorted({p for head in first["positions"][0] for p in head}) if first else []
-            selections[method] = [p for p in positions if p < session.n_tokens]
+            selections[method] = [p for p in positions if p < session.n_tokens]  # the spotlight: every KV head's
             correct = "yes" if right.lower() in answer.text.lower() else "no"
             shown = answer.text.strip().split("\n")[0]  # the answer's line (a cut-off next frame is not shown)
-            rows.append([method, shown, correct, len(selections[method])])
+            # the one count of attended tokens the tab gives: KV head 0 at that step, as step 5 shows it
+            rows.append([method, shown, correct, len(first["positions"][0][0]) if first else 0])
         if recorder.snap is None:  # PQCache was not among the methods: a short answer of its own for the walkthrough
             progress(0.95, desc="recording a PQCache step for the walkthrough")
             session.ask(question, method=recorder, max_new_tokens=2)
@@ -178,7 +179,7 @@ class TeachingTab:
                 return "the fact, attended" if in_fact else "attended"
             return "the fact" if in_fact else None
 
-        return [(tok.decode([doc_ids[p]]), kind(p)) for p in range(lo, hi)]
+        return whole_words([(tok.decode([doc_ids[p]]), kind(p)) for p in range(lo, hi)])
 
     def walkthrough(self, step, state, request: gr.Request | None = None):
         """One step of the walkthrough: what it does, with numbers and a picture from this run (no model work)."""
@@ -201,12 +202,42 @@ def step_numbers(w: dict, state: dict) -> dict:
         "misses": sum(f["misses"]),
         "held": sum(f["held"]),
         "n_window": w["window"][1] - w["window"][0],
-        "n_att": len(a["pos"]),
+        "n_att": len(a["pos"]),  # the new token among them, as the instrumentation counts a step's attended tokens
+        "n_total": w["n_tokens"] + 1,
         "share": 100 * len(a["pos"]) / (w["n_tokens"] + 1),
         "top10": 100 * sum(weights[:10]),
+        "wide_rule": wide_rule(w),
         "label": next(iter(state.get("labels", {}).values()), "the first answer token"),
         "score": (w.get("focus") or {}).get("score", float("nan")),
     }
+
+
+SPOTLIGHT_ORDER = (None, "the fact", "attended", "the fact, attended")  # a word takes its strongest token's colour
+
+
+def whole_words(pieces: list[tuple[str, str | None]]) -> list[tuple[str, str | None]]:
+    """(token text, kind) pieces joined into whole words, each coloured as its strongest token: a word split into
+    tokens of two colours would otherwise be two spans, and the page may break the line between them ("s / hallow")."""
+    words: list[list] = []
+    for text, kind in pieces:
+        if words and text and not text[0].isspace():
+            word = words[-1]
+            word[0] += text
+            word[1] = max(word[1], kind, key=SPOTLIGHT_ORDER.index)
+        else:
+            words.append([text, kind])
+    return [(text, kind) for text, kind in words]
+
+
+def wide_rule(w: dict) -> str:
+    """How the PQ stage's count came about (pqcache.engine.methods.pqcache.first_stage_count), in its numbers."""
+    times = w["rerank"] * w["k"]
+    rule = f"rerank x k = {w['rerank']} x {w['k']} = {times}"
+    if w["n_wide"] > times:
+        rule += f", raised to the floor of {w['rerank_min']} tokens"
+    if w["n_wide"] < max(times, w["rerank_min"] if w["rerank"] > 1 else 0):
+        rule += f", cut to the {w['n_wide']} candidates there are"
+    return rule
 
 
 # step -> (what it does, this run's numbers, its picture)
@@ -231,8 +262,8 @@ WALKTHROUGH = {
     "3. Search": (
         "The approximate scores pick the best candidates; their exact scores, computed where the keys live (host "
         "memory: only the query goes there, only positions and their scores come back), keep the top k.",
-        "Here PQ kept the {n_wide} best of the candidates (rerank {rerank} x k, right of the orange line) and "
-        "the exact re-rank kept k = {k} (above the red line).",
+        "Here PQ kept the {n_wide} best of the candidates ({wide_rule}; right of the orange line) and the exact "
+        "re-rank kept k = {k} (above the red line).",
         lambda w, s: pictures.search(w),
     ),
     "4. Fetch": (
@@ -245,8 +276,9 @@ WALKTHROUGH = {
     "5. Attention": (
         "Attention runs over the attended tokens only: sinks + top-k + recent window + the new token. A few tokens "
         "carry most of the weight, which is why reading so few works.",
-        "Here {n_att} tokens of {n_tokens} ({share:.0f} %); the 10 heaviest carry {top10:.0f} % of the weight. "
-        "Red: the answer's place in the document.",
+        "Here {n_att} of {n_total} tokens, the new one included ({share:.0f} %; the results table counts the same: "
+        "KV head {kv_head} of layer {layer}, at the step that read the first answer token); the 10 heaviest carry "
+        "{top10:.0f} % of the weight. Red: the answer's place in the document.",
         lambda w, s: pictures.attention(w, s.get("answer_pos")),
     ),
 }

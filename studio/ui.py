@@ -25,13 +25,14 @@ def build_ui(studio: Studio) -> gr.Blocks:
             elem_id="model-line",
         )
         with gr.Tab("Document Q&A"):
-            listing, listed = build_qa_tab(qa, methods)
+            listing, listed, loaded_on, notice = build_qa_tab(qa, methods)
         with gr.Tab("Teaching"):
             build_teaching_tab(teaching, methods)
         with gr.Tab("Cost model"):
             cost_outputs = build_cost_tab()
         demo.load(lambda: cost(*DEFAULT), None, cost_outputs, api_name=False, show_progress="hidden")
         demo.load(qa.shown_list, [listing], [listed], api_name=False, show_progress="hidden")
+        demo.load(qa.restarted, [loaded_on], [notice, loaded_on], api_name=False, show_progress="hidden")
         demo.unload(qa.end_user)  # a closed tab frees its caches
     return demo
 

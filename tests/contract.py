@@ -130,6 +130,16 @@ def test_another_method_starts_a_new_conversation_and_says_so(service, user):
     assert "new conversation" in answer.note and service.conversation_state(user)["asked"] == [1]
 
 
+def test_another_document_starts_a_new_conversation_and_says_so(service, user, reference):
+    load(service, user)
+    ask(service, user, "What is w3?")
+    service.load(user, "second.txt", SECOND, SETTINGS)
+    answer = ask(service, user, "Which code opens the blue door?")
+    assert "A new document, **second.txt**: a new conversation starts" in answer.note and "doc.txt" in answer.note
+    assert service.conversation_state(user)["asked"] == [1]  # the earlier document's turn is not in it
+    assert answer.tokens == engine_answers(reference, ["Which code opens the blue door?"], document=SECOND)[0]
+
+
 def test_stop_during_a_load_keeps_the_document_before_it(service, user):
     load(service, user)
     stop = service.entry(user).stop
@@ -144,6 +154,32 @@ def test_stop_during_a_load_keeps_the_document_before_it(service, user):
     stop.clear()
     assert service.session(user).n_tokens < 1000  # the first document, still there
     assert ask(service, user, "What is w3?").tokens
+
+
+def test_stop_while_a_document_is_added_keeps_the_conversation_as_it_was(service, user, reference):
+    """Adding streams a load's progress; a Stop ends it at the next layer and the conversation is as before it: the
+    follow-up is answered token for token as without the attempt."""
+    load(service, user)
+    ask(service, user, "What is w3?")
+    stop, seen = service.entry(user).stop, []
+    stop.clear()
+
+    def progress(fraction, step):
+        seen.append((fraction, step))
+        if "prefill" in step:
+            stop.set()
+
+    with pytest.raises(Cancelled):
+        service.add_document(user, "long.txt", LONG, "pqcache", stop=stop, progress=progress)
+    stop.clear()
+    assert seen and all(0 <= f <= 1 for f, _ in seen)
+    state = service.conversation_state(user)
+    assert state["added"] == [] and state["asked"] == [1]
+    follow_up = ask(service, user, "And the word after it?")
+    assert follow_up.tokens == engine_answers(reference, ["What is w3?", "And the word after it?"])[1]
+    seen.clear()
+    service.add_document(user, "second.txt", SECOND, "pqcache", progress=lambda f, s: seen.append((f, s)))
+    assert [f for f, _ in seen] == sorted(f for f, _ in seen) and any("layer" in s for _, s in seen)
 
 
 def test_stop_during_an_answer_ends_it_and_the_next_question_works(service, user):

@@ -251,10 +251,10 @@ def attention(w: dict, fact: int | None = None) -> go.Figure:
     _fact_line(fig, fact, lo, hi)
     fig.update_xaxes(title="position in the context (document + question)")
     fig.update_yaxes(title="attention weight", type="log")
-    n = len(a["pos"])
+    n = len(a["pos"])  # the new token among them
     return layout(
         fig,
-        f"5. Attention over the {n} attended tokens of {w['n_tokens'] + 1}",
+        f"5. Attention over {n} of {w['n_tokens'] + 1} tokens, the new one included",
         height=WALK_HEIGHT,
         legend=dict(orientation="h", y=-0.3),
     )

@@ -17,14 +17,13 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: app.py, assets/
 
 
 @contextmanager
-def running_app(*flags, startup_s: float = 300.0):
-    """`python app.py --port P *flags` on a free localhost port; yields (url, process). Its output goes
-    to a temporary log file (a pipe nobody reads would fill up and block the server)."""
+def running_app(*flags, startup_s: float = 300.0, port: int | None = None):
+    """`python app.py --port P *flags` on `port` (None: a free localhost port); yields (url, process). Its output
+    goes to a temporary log file (a pipe nobody reads would fill up and block the server)."""
     import tempfile
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    if port is None:
+        port = free_port()
     log = tempfile.TemporaryFile(mode="w+")
     proc = subprocess.Popen(
         [sys.executable, "app.py", "--port", str(port), *flags],
@@ -54,6 +53,12 @@ def running_app(*flags, startup_s: float = 300.0):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def proc_status(pid: int) -> dict:

@@ -217,6 +217,13 @@ def build_parser() -> argparse.ArgumentParser:
         "cases with query_aware false); default: none, every context prefilled",
     )
     e.add_argument(
+        "--too-long",
+        choices=["skip", "cut"],
+        default="skip",
+        help="a case (scbench: a conversation's context) longer than the model reads: skipped with a row that says "
+        "so (default), or cut in the middle as LongBench cuts; either way counted in the summary",
+    )
+    e.add_argument(
         "--scbench-mode",
         choices=["multi-turn", "multi-request", "both", "added-document"],
         default="multi-turn",

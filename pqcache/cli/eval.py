@@ -63,17 +63,19 @@ def cmd_eval(args) -> int:
 
         store = DocumentStore(args.store)
     out = open(args.out, "w", encoding="utf-8") if args.out else None
+    cut = args.too_long == "cut"
     try:
         for i, case in enumerate(tqdm(cases, desc="cases", file=sys.stderr)):
-            if scbench:  # a row per turn (--max-new-tokens: the task's own length unless given)
-                first = cases[i - 1] if args.scbench_mode == sc.ADDED else None  # added to the previous case
-                case_rows = sc.run_case(
-                    model, tok, case, methods, config, args.scbench_mode, args.max_new_tokens, first=first, store=store
-                )
-            else:
+
+            def answered(i=i, case=case):
+                if scbench:  # a row per turn (--max-new-tokens: the task's own length unless given)
+                    first = cases[i - 1] if args.scbench_mode == sc.ADDED else None  # added to the previous case
+                    return sc.run_case(model, tok, case, methods, config, args.scbench_mode, args.max_new_tokens,
+                                       first=first, store=store, truncate="middle" if cut else "refuse")  # fmt: skip
                 n_new = args.max_new_tokens or EVAL_MAX_NEW
-                case_rows = evaluate.run_case(model, tok, case, methods, config, n_new, args.max_length, store)
-            for row in case_rows:
+                return evaluate.run_case(model, tok, case, methods, config, n_new, args.max_length, store, cut)
+
+            for row in _marked_on_failure(answered, case, methods):
                 rows.append(row)
                 if out:
                     out.write(json.dumps(row) + "\n")
@@ -81,14 +83,40 @@ def cmd_eval(args) -> int:
     finally:
         if out:
             out.close()
+    scored = [r for r in rows if "score" in r]
     if scbench:
-        summary = sc.summarize(rows)
-        print(json.dumps({"rows": summary}) if args.json else table(summary))
+        summary = sc.summarize(scored)
+    else:
+        group = [g for g in args.group_by.split(",") if g] or (["task"] if args.format == "ruler" else [])
+        summary = evaluate.summarize(scored, group, by_dataset=args.format == "longbench")  # LongBench: per dataset
+    skipped, failed = evaluate.marked_count(rows, "skipped"), evaluate.marked_count(rows, "failed")
+    if args.json:
+        print(json.dumps({"rows": summary, "skipped": skipped, "failed": failed}))
         return 0
-    group = [g for g in args.group_by.split(",") if g] or (["task"] if args.format == "ruler" else [])
-    summary = evaluate.summarize(rows, group, by_dataset=args.format == "longbench")  # LongBench: a column per dataset
-    print(json.dumps({"rows": summary}) if args.json else table(summary))
+    print(table(summary) if summary else "no case was answered")
+    if skipped:
+        print(f"{skipped} case(s) skipped: {evaluate.SKIPPED} (--too-long cut cuts their middle instead)")
+    if failed:
+        print(f"{failed} case(s) failed" + (f": their rows in {args.out} say why" if args.out else ""))
     return 0
+
+
+def _marked_on_failure(answered, case: dict, methods: list[str]) -> list[dict]:
+    """The case's rows; a case longer than the model reads, or one that fails, as rows that say so (the run goes
+    on: one bad case never costs the others' results or the summary)."""
+    from pqcache.engine.errors import DocumentTooLongError
+    from pqcache.eval import evaluate
+
+    try:
+        return answered()
+    except DocumentTooLongError as exc:
+        stderr(f"case {case.get('id')!r}: skipped, {exc}")
+        return evaluate.marked_rows(
+            case, methods, skipped=evaluate.SKIPPED, prompt_tokens=exc.n_tokens, limit=exc.limit
+        )
+    except Exception as exc:  # noqa: BLE001 - marked, and the run goes on
+        stderr(f"case {case.get('id')!r}: failed, {type(exc).__name__}: {exc}")
+        return evaluate.marked_rows(case, methods, failed=f"{type(exc).__name__}: {exc}")
 
 
 def cmd_datasets(args) -> int:

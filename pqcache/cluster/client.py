@@ -254,21 +254,32 @@ class ClusterDocuments:
             raise NoDocumentError("load a document first")
         return document.ask(question, method, max_new_tokens, stop, observer, on_token, conversation)
 
-    def add_document(self, user: str, name: str, text: str, method: str, stop=None, conversation=CHAT) -> int:
-        """Read `text` into the user's conversation on their replica; its tokens."""
-        return self._model_work(user, "tokens", "add_document", name, text, method, conversation)
+    def add_document(
+        self, user: str, name: str, text: str, method: str, stop=None, conversation=CHAT, progress=None
+    ) -> int:
+        """Read `text` into the user's conversation on their replica, its progress streamed back; its tokens."""
+        return self._model_work(
+            user, "tokens", "add_document", name, text, method, conversation, progress=progress, stop=stop
+        )
 
     def resume_conversation(self, user: str, method: str, conversation: str = CHAT, stop=None) -> dict | None:
         """The document's last kept conversation replayed on the user's replica (as DocumentWorker's)."""
         return self._model_work(user, "state", "resume_conversation", method, conversation)
 
-    def _model_work(self, user: str, result: str, op: str, *args):
-        """A streamed replica call about the user's document (their incarnation first): its `result`."""
+    def _model_work(self, user: str, result: str, op: str, *args, progress=None, stop=None):
+        """A streamed replica call about the user's document (their incarnation first): its `result`; its progress
+        parts to progress(fraction, words); a set `stop` (the caller's own event) forwarded to the replica."""
         if self.session(user) is None:
             raise NoDocumentError("load a document first")
+        forwarded = False
         for part in self._stream(user, self.homes[user], op, *args):
+            if stop is not None and stop.is_set() and not forwarded:
+                forwarded = True
+                self._forward(user, "stop")
             if "error" in part:
                 raise error_of(part)
+            if "progress" in part and progress is not None:
+                progress(*part["progress"])
             if result in part:
                 return part[result]
         raise ReplicaError(f"the worker ended its {op} without a result")

@@ -245,14 +245,17 @@ class DocumentReplica:
 
     # ---- the user's conversation, beside their document -------------------------------------------------
     async def add_document(self, user: str, incarnation: str, name: str, text: str, method: str, talk=CHAT):
-        """Stream {"tokens": n} once `text` is read into the user's conversation, or {"error"}; {"lost": True} when
-        the document died with another incarnation."""
+        """Stream {"progress": [fraction, step]}..., then {"tokens": n} once `text` is read into the user's
+        conversation, or {"error"}; {"lost": True} when the document died with another incarnation."""
         if incarnation != self.incarnation:
             yield {"lost": True}
             return
 
         def job(emit, stop):
-            emit({"tokens": self.worker.add_document(user, name, text, method, stop, talk)})
+            def progress(fraction, step):
+                emit({"progress": [fraction, step]})
+
+            emit({"tokens": self.worker.add_document(user, name, text, method, stop, talk, progress)})
 
         async for item in self._model_work(user, job, STOPPED):
             yield item

@@ -18,6 +18,7 @@ import torch
 
 from pqcache.engine.cache import PQCache
 from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.errors import DocumentTooLongError
 from pqcache.engine.sources import AttentionTally
 from pqcache.eval import case_formats, case_sources, longbench, ruler_format
 from pqcache.eval.case_formats import CaseError, load_cases  # noqa: F401  (evaluate's API)
@@ -26,7 +27,8 @@ from pqcache.serving.restore import load_or_restore
 from pqcache.serving.stopping import looping
 
 # the case fields not copied into its rows (the texts, and what only the prompt or the score needs)
-NOT_IN_ROWS = ("context", "question", "answers", "needle", "prompt", "all_classes")
+NOT_IN_ROWS = ("context", "question", "answers", "needle", "prompt", "all_classes", "multi_turns")
+SKIPPED = "longer than the model reads"  # a skipped case's rows say so
 
 
 def score(prediction: str, answers: list) -> float:
@@ -86,23 +88,32 @@ def run_case(
     max_new_tokens: int = 24,
     max_length: int | None = None,
     store=None,
+    cut_too_long: bool = False,
 ):
     """Every method answers `case` on a fork of one prefill. The prompt is the document part, then the question
     part: the prompt builder's, or the case's own (a benchmark's framing, case_formats.framed_prompt), and the
     answer ends by its stop rule, after at most the case's `max_new_tokens` (else `max_new_tokens`). A case
     marked `truncate: middle` (LongBench) longer than `max_length` or the model's positions less the answer's
-    tokens is cut in the middle (`truncated`: the tokens cut). Each row says why the answer ended (`ended`) and
-    whether it ran on repeating itself (`repeating`: cut by the repetition rule, or at max_new_tokens in a
-    verbatim loop). store: a DocumentStore a case's context is read from (no prefill) or saved to, for cases whose
-    question is not prefilled with it (`query_aware: false`); each row's `read_from` says which."""
+    tokens is cut in the middle (`truncated`: the tokens cut), as is any case with cut_too_long; another case over
+    that limit raises DocumentTooLongError (nothing is run past the model's positions). Each row says why the
+    answer ended (`ended`) and whether it ran on repeating itself (`repeating`: cut by the repetition rule, or at
+    max_new_tokens in a verbatim loop). store: a DocumentStore a case's context is read from (no prefill) or saved
+    to, for cases whose question is not prefilled with it (`query_aware: false`); each row's `read_from` says
+    which."""
     device = next(model.parameters()).device
     max_new_tokens = int(case.get("max_new_tokens") or max_new_tokens)
     prompt = case_formats.framed_prompt(tokenizer, case)
     ctx_ids, q_ids = prompt.encode(tokenizer)
     cut = 0
-    if case.get("truncate") == "middle":
-        limit = case_formats.prompt_limit(model, max_new_tokens, max_length)
+    limit = case_formats.prompt_limit(model, max_new_tokens, max_length)
+    cutting = case.get("truncate") == "middle" or cut_too_long
+    if cutting:
         ctx_ids, q_ids, cut = case_formats.middle_truncate(ctx_ids, q_ids, limit)
+    elif limit is not None and ctx_ids.shape[1] + q_ids.shape[1] > limit:
+        n = int(ctx_ids.shape[1] + q_ids.shape[1])
+        raise DocumentTooLongError(
+            f"the case has {n} prompt tokens; the model reads {limit} before its answer", n, limit
+        )
     ctx_ids, q_ids = ctx_ids.to(device), q_ids.to(device)
     rule = case_formats.stop_rule(tokenizer, case, prompt)
     if case.get("query_aware", True):
@@ -156,7 +167,7 @@ def run_case(
                 "context_tokens": int(ctx_ids.shape[1]),
                 "question_tokens": int(q_ids.shape[1]),
                 "new_tokens": len(tokens),
-                **({"truncated": cut} if case.get("truncate") else {}),
+                **({"truncated": cut} if cutting else {}),
                 "ended": decoded.ended,
                 "repeating": decoded.ended == "repetition" or (decoded.ended == "max_new_tokens" and looping(tokens)),
                 "prefill_s": round(prefill_s, 3),
@@ -169,6 +180,18 @@ def run_case(
         cache.close()
     base.close()
     return rows
+
+
+def marked_rows(case: dict, methods: list[str], **why) -> list[dict]:
+    """A row per method for a case that was not answered (why: skipped=SKIPPED and its sizes, or failed=the
+    error), with the case's own fields, so that the run goes on and the summary counts it."""
+    extra = {k: v for k, v in case.items() if k not in NOT_IN_ROWS}
+    return [{**extra, "id": case.get("id"), "method": method, **why} for method in methods]
+
+
+def marked_count(rows: list[dict], what: str) -> int:
+    """How many cases have rows marked `what` ("skipped" or "failed")."""
+    return len({str(r.get("id")) for r in rows if what in r})
 
 
 def summarize(rows: list[dict], group_by: list[str] | None = None, by_dataset: bool = False) -> list[dict]:

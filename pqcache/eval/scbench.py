@@ -86,10 +86,12 @@ def run_case(
     max_new_tokens=None,
     first: dict | None = None,
     store=None,
+    truncate: str = "refuse",
 ) -> list[dict]:
     """Every method on every turn of `case`, in `mode` (or both, on one read of the context; added-document: the
     case `first` is the conversation it is added to) -> rows {id, task, turn, method, mode, score, answer,
-    prediction, tokens, seconds, context_tokens}. store: a DocumentStore each context is read from or saved to."""
+    prediction, tokens, seconds, context_tokens}. store: a DocumentStore each context is read from or saved to.
+    truncate: a context longer than the model reads raises DocumentTooLongError ("refuse") or is cut ("middle")."""
     from pqcache.serving.conversation import Conversation
     from pqcache.serving.session import DocumentSession
 
@@ -98,11 +100,12 @@ def run_case(
     if mode == ADDED:
         if first is None:
             raise ValueError(f"{ADDED} needs another case to add this one to")
-        return run_case(model, tokenizer, case, methods, config, MODES[1], max_new_tokens, store=store) + _added(
-            model, tokenizer, case, first, methods, config, max_new_tokens, store
+        alone = run_case(
+            model, tokenizer, case, methods, config, MODES[1], max_new_tokens, store=store, truncate=truncate
         )
+        return alone + _added(model, tokenizer, case, first, methods, config, max_new_tokens, store, truncate)
     session = DocumentSession(model, tokenizer, config, method=methods[0], keep_queries=True, store=store)
-    session.load(case["context"])
+    session.load(case["context"], truncate=truncate)
     n_new = max_new_tokens or MAX_NEW_TOKENS.get(case["task"], DEFAULT_MAX_NEW)
     rows = []
     try:
@@ -127,14 +130,14 @@ def run_case(
     return rows
 
 
-def _added(model, tokenizer, case: dict, first: dict, methods: list[str], config, max_new_tokens, store) -> list[dict]:
+def _added(model, tokenizer, case: dict, first: dict, methods: list[str], config, max_new_tokens, store, truncate):
     """The added-document rows: `first`'s context loaded, its first turn kept, `case`'s context added, each of
     `case`'s turns asked on a fork of that conversation."""
     from pqcache.serving.conversation import Conversation
     from pqcache.serving.session import DocumentSession
 
     session = DocumentSession(model, tokenizer, config, method=methods[0], keep_queries=True, store=store)
-    session.load(first["context"])
+    session.load(first["context"], truncate=truncate)
     n_new = max_new_tokens or MAX_NEW_TOKENS.get(case["task"], DEFAULT_MAX_NEW)
     rows = []
     try:

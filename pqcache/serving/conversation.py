@@ -30,7 +30,7 @@ import torch
 from pqcache.engine.errors import Cancelled, InputError, NoDocumentError
 from pqcache.engine.instrument import Instrumentation
 from pqcache.engine.sources import AttentionTally
-from pqcache.serving.generate import decode_n_tokens, decode_one_token, eos_token_ids, prefill
+from pqcache.serving.generate import decode_n_tokens, decode_one_token, eos_token_ids, prefill, prefill_document
 from pqcache.serving.hooks import layer_hooks
 
 
@@ -47,6 +47,22 @@ class Turn:
 
 
 @dataclass
+class AddedDocument:
+    """A document read into a conversation: its name and text, where its tokens start in the conversation's
+    positions, and each token's character range in the text (its answers' sources are found there)."""
+
+    name: str
+    text: str
+    start: int
+    after_question: bool  # read in the user's next turn (a question came before it), not straight after the first
+    spans: list = field(default_factory=list)
+
+    def part(self, prompt) -> str:
+        """What was read: the text in its frame."""
+        return prompt.added_document(self.text) if self.after_question else "\n\n" + self.text.strip()
+
+
+@dataclass
 class Conversation:
     session: object  # the DocumentSession whose document this conversation is about
     method: str
@@ -59,6 +75,7 @@ class Conversation:
     # rebuilds the same cache (record, replay)
     log: list = field(default_factory=list)
     id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])  # its name in the document store
+    added: list[AddedDocument] = field(default_factory=list)  # the documents read in after the first
 
     def __post_init__(self):
         if self.cache is None:
@@ -85,16 +102,28 @@ class Conversation:
                 f"at most {self.limit:,}: start a new conversation (the document stays loaded)"
             )
 
-    def _read(self, ids: torch.Tensor, stop: threading.Event | None, kind: str) -> torch.Tensor:
+    def _read(self, ids: torch.Tensor, stop: threading.Event | None, kind: str, progress=None) -> torch.Tensor | None:
         """ids (1, Q) read into the cache -> the next token's logits (1, V); the tokens kept in `ids`, the read in
-        `log` as `kind` ("ask", "document" or "tell")."""
-        session = self.session
-        try:
-            with session.lock, layer_hooks(session.model, None, stop):
-                logits = prefill(session.model, ids.to(session.device), self.cache)
-        except BaseException:  # stopped or failed between layers: the cache is not one text any more
-            self.reset()
-            raise
+        `log` as `kind` ("ask", "document" or "tell"). A document is read as a load reads one (prefill_document:
+        progress(fraction, words) per layer, then its codebook) into a fork of the cache, taken once read: stopped
+        or failed, the conversation stays as it was (no logits are kept for it: a question follows)."""
+        session, device = self.session, self.session.device
+        if kind == "document":
+            cache = self.cache.fork(self.method)
+            try:
+                prefill_document(session.model, ids.to(device), cache, session.lock, progress, stop)
+            except BaseException:
+                cache.close()
+                raise
+            self.cache.close()
+            self.cache, logits = cache, None
+        else:
+            try:
+                with session.lock, layer_hooks(session.model, None, stop):
+                    logits = prefill(session.model, ids.to(device), self.cache)
+            except BaseException:  # stopped or failed between layers: the cache is not one text any more
+                self.reset()
+                raise
         self.ids.extend(int(t) for t in ids[0])
         self.log.append((kind, [int(t) for t in ids[0]]))
         return logits
@@ -138,7 +167,7 @@ class Conversation:
         before = len(self.ids)
         self.split_tiers()
         self.cache.instrument(observer)
-        tally = self.cache.tally_sources(AttentionTally(session.n_tokens))  # sources in the first document
+        tally = self.cache.tally_sources(AttentionTally(self.n_tokens))  # sources in any of its documents
         answer, t0 = Answer(), time.perf_counter()
 
         def show(tokens):
@@ -174,10 +203,13 @@ class Conversation:
             self.cache.tally_sources(None)
         self.turns.append(Turn("question", question, answer.text, len(self.ids) - before))
         spans = session.spans()
-        from pqcache.serving.sources import highlights, passages
+        from pqcache.serving.sources import highlights, passages_in
 
-        answer.sources = [p.to_dict() for p in passages(session.doc_text, spans, tally.received)]
-        answer.attended, answer.missed = highlights(spans, tally)
+        received = tally.received
+        documents = [(None, session.doc_text, spans, received[: session.n_tokens])]
+        documents += [(a.name, a.text, a.spans, received[a.start : a.start + len(a.spans)]) for a in self.added]
+        answer.sources = passages_in(documents)
+        answer.attended, answer.missed = highlights(spans, tally)  # the document view shows the first document
         answer.done = True
         return answer
 
@@ -195,18 +227,23 @@ class Conversation:
         self.turns.append(Turn("question", question, answer.strip(), int(ids.shape[1])))
 
     @torch.no_grad()
-    def add_document(self, text: str, name: str = "a document", stop: threading.Event | None = None) -> int:
+    def add_document(
+        self, text: str, name: str = "a document", stop: threading.Event | None = None, progress=None
+    ) -> int:
         """Read another document into the conversation (once, with a K-Means codebook of its own when it is at least
-        `turn_min_tokens` long), to be asked about next, beside the first. Returns its tokens."""
+        `turn_min_tokens` long), to be asked about next, beside the first. Returns its tokens. progress(fraction,
+        words) per layer, as a load's; a Stop (Cancelled) or a failure leaves the conversation as it was."""
         from pqcache.serving.documents import check_text
 
         check_text(text)
         prompt = self.session.prompt
         asked = any(t.kind == "question" for t in self.turns)
-        ids = prompt.ids(prompt.added_document(text) if asked else "\n\n" + text.strip())
+        added = AddedDocument(name, text, self.n_tokens, asked)
+        ids = prompt.ids(added.part(prompt))
         self._check_room(ids.shape[1] + 1, f"{name} ({ids.shape[1]:,} tokens)")
-        self._read(ids, stop, "document")
-        self.cache.wait()  # its codebook, as a load waits for the document's
+        self._read(ids, stop, "document", progress)
+        added.spans = prompt.part_spans(added.part(prompt), text)
+        self.added.append(added)
         self.open_user_turn = True
         self.turns.append(Turn("document", name, tokens=int(ids.shape[1])))
         return int(ids.shape[1])
@@ -217,20 +254,25 @@ class Conversation:
         turns = [Turn(**vars(t)) for t in self.turns]
         cache = self.cache.fork(self.method)
         return Conversation(
-            self.session, self.method, cache, turns, list(self.ids), self.open_user_turn, list(self.log)
-        )
+            self.session, self.method, cache, turns, list(self.ids), self.open_user_turn, list(self.log),
+            added=list(self.added),
+        )  # fmt: skip
 
     def reset(self):
         """Back to the document alone (its prefill kept)."""
         self.cache.close()
         self.cache = self.session.cache.fork(self.method)
-        self.turns, self.ids, self.log, self.open_user_turn = [], [], [], False
+        self.turns, self.ids, self.log, self.open_user_turn, self.added = [], [], [], False, []
 
     # ---- kept and read back -----------------------------------------------------------------------------------
     def record(self) -> dict:
         """The conversation as plain data (the document store keeps it beside the document's entry)."""
         turns = [vars(t) for t in self.turns]
-        return {"id": self.id, "method": self.method, "turns": turns, "log": self.log, "open": self.open_user_turn}
+        added = [{k: v for k, v in vars(a).items() if k != "spans"} for a in self.added]
+        return {
+            "id": self.id, "method": self.method, "turns": turns, "log": self.log, "open": self.open_user_turn,
+            "added": added,
+        }  # fmt: skip
 
     @classmethod
     @torch.no_grad()
@@ -259,6 +301,10 @@ class Conversation:
             raise
         talk.turns = [Turn(**t) for t in record["turns"]]
         talk.open_user_turn = record["open"]
+        for kept in record.get("added", []):  # their sources' places, found again (a record kept before has none)
+            added = AddedDocument(**kept)
+            added.spans = session.prompt.part_spans(added.part(session.prompt), added.text)
+            talk.added.append(added)
         return talk
 
     def close(self):

@@ -164,6 +164,10 @@ def decode_n_tokens(
         with lock if lock is not None else nullcontext():
             logits = decode_one_token(model, token, cache)
         out.fed.append(tid)
+    if stop_rule is not None and out.ended in ("eos", "max_new_tokens", "stopped"):
+        # an answer that ended otherwise on the start of the frame's next field ("\nQuestion", then EOS or the cap)
+        # keeps what the stream showed: that start is not the answer's
+        del out.tokens[stop_rule.visible(out.tokens) :]
     return out
 
 

@@ -38,7 +38,15 @@ INSTRUCTION = "Answer the question from the text above. The answer is in the tex
 QUESTION_LABEL = "Question:"
 ANSWER_LABEL = "Answer:"
 # the end of a base model's answer: a blank line, or the model starting the next frame on the next line
-END_OF_ANSWER = ("\n\n", f"\n{QUESTION_LABEL}", f"\n{ANSWER_LABEL}")
+# the end of an answer: a blank line, the frame's next field, or a line of that field's word alone (a base model
+# writes "68422.\nQuestion\nQuestion" as often as "\nQuestion: ...")
+END_OF_ANSWER = (
+    "\n\n",
+    f"\n{QUESTION_LABEL}",
+    f"\n{ANSWER_LABEL}",
+    f"\n{QUESTION_LABEL[:-1]}\n",
+    f"\n{ANSWER_LABEL[:-1]}\n",
+)
 _DOC, _QUESTION = "\u2063PQDOC\u2063", "\u2063PQQUESTION\u2063"  # sentinels rendered through a chat template
 _ANSWER = "\u2063PQANSWER\u2063"
 
@@ -131,6 +139,16 @@ class PromptBuilder:
     def added_document(self, text: str) -> str:
         """A document added to a conversation: in the user's next turn (the question that follows closes it)."""
         return (self._next[0] if self._next is not None else "\n\n") + (text or "").strip()
+
+    def part_spans(self, part: str, text: str) -> list[tuple[int, int]]:
+        """The character range in `text` of each token of `part` (ids(part)'s tokens), `part` being `text` stripped
+        after a frame of its own (added_document): (0, 0) for the frame's tokens."""
+        from pqcache.serving.sources import token_spans
+
+        head = len(part) - len(text.strip())  # where the user's text starts in part
+        shift = len(text) - len(text.lstrip()) - head
+        spans = token_spans(self.tokenizer, part, add_special_tokens=False)
+        return [(max(lo, head) + shift, hi + shift) if hi > max(lo, head) else (0, 0) for lo, hi in spans]
 
     def ids(self, part: str) -> torch.Tensor:
         """A part after the cached document -> ids (1, n), without special tokens."""

@@ -63,8 +63,11 @@ class DocumentsService(Protocol):
         """An answer within the conversation (a follow-up sees the earlier turns), streaming on_token(text);
         the Answer's `note` says what the user should know (a new conversation began, the turn was kept)."""
 
-    def add_document(self, user: str, name: str, text: str, method: str, stop=None, conversation=CHAT) -> int:
-        """Read another document into the conversation, to ask across both; its tokens."""
+    def add_document(
+        self, user: str, name: str, text: str, method: str, stop=None, conversation=CHAT, progress=None
+    ) -> int:
+        """Read another document into the conversation, to ask across both, streaming progress(fraction, words)
+        as a load does; its tokens. Stopped or failed, the conversation stays as it was."""
 
     def new_conversation(self, user: str, conversation: str | None = None):
         """End the conversation (None: every one of the user's); the document stays loaded."""

@@ -82,23 +82,13 @@ def passages(
     received: torch.Tensor,
     n: int = N_SOURCES,
     max_chars: int = MAX_CHARS,
+    total: float | None = None,
 ) -> list[Source]:
     """The n segments of `text` whose tokens received the most attention, highest share first. spans: each
     document position's character range (a token without text: (0, 0)); received (positions,) the attention by
-    position (AttentionTally.received)."""
-    weights = received.double().tolist()
-    cuts = segments(text, max_chars)
-    if not cuts:
-        return []
-    starts = [lo for lo, _ in cuts]
-    mass = [0.0] * len(cuts)
-    for (lo, hi), w in zip(spans, weights):
-        if hi <= lo or w <= 0:  # no text: BOS, padding
-            continue
-        i = bisect.bisect_right(starts, lo) - 1
-        if i >= 0:
-            mass[i] += w
-    total = sum(mass)
+    position (AttentionTally.received). total: the attention the shares are of (None: what this text received)."""
+    cuts, mass = _segment_mass(text, spans, received, max_chars)
+    total = sum(mass) if total is None else total
     if total <= 0:
         return []
     runs: list[list[int]] = []  # adjacent segments merged while they fit in max_chars, best segments first
@@ -117,6 +107,36 @@ def passages(
         lo, hi = cuts[run[0]][0], cuts[run[-1]][1]
         out.append(Source(lo, hi, text[lo:hi], round(sum(mass[i] for i in run) / total, 4)))
     return sorted(out, key=lambda s: -s.share)
+
+
+def _segment_mass(text: str, spans, received: torch.Tensor, max_chars: int) -> tuple[list, list[float]]:
+    """The segments of `text` and the attention the tokens starting in each received."""
+    weights = received.double().tolist()
+    cuts = segments(text, max_chars)
+    starts = [lo for lo, _ in cuts]
+    mass = [0.0] * len(cuts)
+    for (lo, hi), w in zip(spans, weights):
+        if hi <= lo or w <= 0:  # no text: BOS, padding
+            continue
+        i = bisect.bisect_right(starts, lo) - 1
+        if i >= 0:
+            mass[i] += w
+    return cuts, mass
+
+
+def passages_in(documents: list[tuple], n: int = N_SOURCES) -> list[dict]:
+    """The n passages that received the most attention across a conversation's documents, [(name, text, spans,
+    received)], the first the loaded one (name None); each share is of the attention all their text received, and a
+    passage of an added document carries its name ("document"). One document: passages()' own."""
+    if len(documents) == 1:
+        _, text, spans, received = documents[0]
+        return [p.to_dict() for p in passages(text, spans, received, n)]
+    total = sum(sum(_segment_mass(text, spans, received, MAX_CHARS)[1]) for _, text, spans, received in documents)
+    found = []
+    for name, text, spans, received in documents:
+        for p in passages(text, spans, received, n, total=total):
+            found.append({**p.to_dict(), **({"document": name} if name else {})})
+    return sorted(found, key=lambda s: -s["share"])[:n]
 
 
 def _span(cuts, run: list[int], i: int) -> int:

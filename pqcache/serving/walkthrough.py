@@ -169,6 +169,7 @@ def describe(snap: dict, focus: list[int], head: int = 0) -> dict:
         "k": snap["k"],
         "n_wide": len(picked_wide),
         "rerank": cfg.rerank,
+        "rerank_min": cfg.rerank_min_tokens,
         "combine": cfg.gqa_combine,
         "n_sinks": int(sum(1 for p in on_device if p < window_lo)),
         "window": [window_lo, S],

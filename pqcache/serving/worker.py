@@ -116,6 +116,10 @@ class DocumentWorker:
             if talk is not None and (talk.session is not session or talk.method != method or talk.cache is None):
                 if talk.session is session and talk.turns:
                     note = f"*The method is now {method}: a new conversation starts (the document stays loaded).*"
+                elif talk.turns:  # another document: its questions start a conversation of their own
+                    was = getattr(talk.session, "name", "the earlier document")
+                    now = getattr(session, "name", "the new document")
+                    note = f"*A new document, **{now}**: a new conversation starts (the questions above: {was}).*"
                 self.conversations.pop((user, name)).close()
                 talk = None
             if talk is None:
@@ -133,10 +137,13 @@ class DocumentWorker:
         self._count(user)
         return answer
 
-    def add_document(self, user: str, name: str, text: str, method: str, stop=None, conversation=CHAT) -> int:
-        """Read `text` into the user's conversation (once, its own K-Means), to ask across both; its tokens."""
+    def add_document(
+        self, user: str, name: str, text: str, method: str, stop=None, conversation=CHAT, progress=None
+    ) -> int:
+        """Read `text` into the user's conversation (once, its own K-Means), to ask across both; its tokens.
+        progress(fraction, words) as a load's; stopped or failed, the conversation stays as it was."""
         talk, _ = self.conversation(user, method, conversation)
-        n = talk.add_document(text, name, stop=stop)
+        n = talk.add_document(text, name, stop=stop, progress=progress)
         keep(self.store, talk)
         self._count(user)
         return n

@@ -6,6 +6,7 @@ rates the page showed in rates.json."""
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,8 @@ PROBE = """async () => {
   return performance.now() - t0;
 }"""
 # in the page: record the status line's texts, and count each panel's Plotly redraws
+DOOR = "Notes from the meeting.\nThe secret code for the blue door is 4721.\nThe meeting ended at noon.\n"
+DOOR_QUESTION = "What is the secret code for the blue door?"
 WATCH = """() => {
   window.__status = []; window.__draws = {};
   const el = document.querySelector('#doc-status');
@@ -79,6 +82,13 @@ def page(browser, app_url):
     page.close()
 
 
+def opened(page, url: str | None = None):
+    """Open `url` (None: reload the page) and return once the page's opening events have answered: their stream
+    of results closes."""
+    with page.expect_request_finished(lambda r: "/queue/data" in r.url, timeout=120_000):
+        page.goto(url) if url else page.reload()
+
+
 def settings(page, open_: bool):
     """Open (or close) the Settings accordion, whatever its state."""
     if ("open" in (page.locator("#settings .label-wrap").get_attribute("class") or "")) != open_:
@@ -123,8 +133,11 @@ def answered(page, timeout=240_000) -> str:
 
 
 def answer_text(chat: str, question: str) -> str:
-    """The answer's own words after `question` in the chat (not its timing line or its sources' quotes)."""
-    return chat.split(question)[-1].split("pqcache:")[0].strip()
+    """The answer's own words after `question` in the chat (not its timing line or its sources' quotes); none ends
+    on the frame's next field ("68422.\nQuestion"): the stop rule cuts it in every path."""
+    text = chat.split(question)[-1].split("pqcache:")[0].strip()
+    assert not re.search(r"\n\s*(Question|Answer)\b", text), text
+    return text
 
 
 def test_1_first_screen_says_what_to_do_and_what_the_panels_will_show(page):
@@ -199,11 +212,17 @@ def test_3_the_active_document_is_always_named(page, tmp_path):
     page.locator("#load").click()
     page.wait_for_selector("#doc-status >> text=of pasted text (", timeout=240_000)
     assert page.locator("#doc-status").inner_text().startswith("Loaded")
+    page.wait_for_selector("#sample-examples", state="hidden")  # the sample's questions are not about this text
+    ask(page, "Which number comes first?")  # another document: the chat says where its conversation begins
+    chat = answered(page)
+    assert "a new conversation starts (the questions above: sample passkey_1k.txt)" in chat, chat[-600:]
+    assert chat.index(EXAMPLE["question"]) < chat.index("A new document") < chat.index("Which number comes first?")
 
 
 def test_4_the_page_stays_responsive_while_200_tokens_stream(page):
     page.locator("#sample").click()  # back to the sample: a document with a block cache
     page.wait_for_selector("#doc-status >> text=of sample passkey_1k.txt", timeout=240_000)
+    page.wait_for_selector("#sample-examples", state="visible")  # its example questions are back with it
     max_new_tokens(page, 200)
     ask(page, "List the numbers from 1 to 100.")  # 200 tokens on the bundled model
     page.wait_for_selector("#gen-status >> text=generating", timeout=120_000)
@@ -285,6 +304,9 @@ def test_6_cost_model_reads_right_and_follows_every_change(page):
     page.get_by_role("tab", name="Cost model").click()
     page.wait_for_function("() => document.querySelector('#cost-table').innerText.includes('does not fit')")
     assert page.locator("#cost-intro").inner_text().count("not a measurement") == 1
+    whole = """() => [...document.querySelectorAll('#cost-table td')].filter(td => td.innerText.trim())
+        .every(td => [td, ...td.querySelectorAll('*')].every(el => el.scrollWidth <= el.clientWidth + 1))"""
+    assert page.evaluate(whole)  # every cell read whole, the verdicts too ("does not fit (... GiB > ... GiB)")
     lo, hi = gd(page, "cost-plot", "gd.layout.yaxis.range")
     assert hi - lo < 3 and 10**lo < 24 < 10**hi  # log axis over the data, the GPU's 24 GiB line inside
     assert "GPU memory (24 GiB)" in gd(page, "cost-plot", "gd.data.map(t => t.name)")  # and the context asked about
@@ -333,10 +355,9 @@ def test_8_bad_input_walk_keeps_the_document_and_says_what_is_wrong(browser, app
     clipboard = ["clipboard-read", "clipboard-write"]
     context = browser.new_context(permissions=clipboard, viewport={"width": 1500, "height": 1100})
     page = context.new_page()
-    page.goto(app_url)
-    page.wait_for_selector("#load")
-    accept = page.locator("input[type=file]").get_attribute("accept")
-    assert {".txt", ".md", ".pdf", "text/*"} == {t.strip() for t in accept.split(",")}, accept
+    opened(page, app_url)  # the page's opening events answered: a setting typed now is not reset by them
+    # any file is taken, and a wrong one is said at Load (a picker's filter drops a dropped .png without a word)
+    assert not page.locator("input[type=file]").get_attribute("accept")
     settings(page, True)
     window = page.get_by_label("window (0: half the budget)")
     window.fill("5000")
@@ -344,6 +365,7 @@ def test_8_bad_input_walk_keeps_the_document_and_says_what_is_wrong(browser, app
     settings(page, False)
     page.locator("#sample").click()
     page.wait_for_selector("#doc-status >> text=the active document", timeout=240_000)
+    assert "this is full attention" in page.locator("#doc-status").inner_text()  # said, not silent
     ask(page, "What is the pass key?")
     chat = answered(page)
     assert "68422" in answer_text(chat, "What is the pass key?") and "Error" not in chat  # the window covers it all
@@ -358,6 +380,14 @@ def test_8_bad_input_walk_keeps_the_document_and_says_what_is_wrong(browser, app
     page.wait_for_selector("#doc-status >> text=Still active: sample passkey_1k.txt", timeout=240_000)
     assert "**Error:**" not in page.locator("#doc-status").inner_text()  # rendered, not raw markdown
     page.get_by_role("button", name="Clear").last.click()
+
+    (tmp_path / "photo.png").write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8)
+    page.set_input_files("input[type=file]", str(tmp_path / "photo.png"))
+    page.wait_for_selector("#load >> text=Load photo.png")
+    page.locator("#load").click()
+    page.wait_for_selector("#doc-status >> text=photo.png: unsupported file type", timeout=60_000)
+    assert "Still active: sample passkey_1k.txt" in page.locator("#doc-status").inner_text()
+    page.get_by_role("button", name="Clear").first.click()
 
     (tmp_path / "fake.pdf").write_text("Just some text, not a PDF at all.", encoding="utf-8")
     page.set_input_files("input[type=file]", str(tmp_path / "fake.pdf"))
@@ -403,6 +433,20 @@ def test_9_a_follow_up_is_answered_from_the_conversation(browser, app_url):
     assert "68422" in answer_text(answered(page), "Repeat that number.")
     line = page.locator("#gen-status").inner_text()
     assert "conversation:" in line and "(turns 1-2;" in line, line
+    # another document added to the conversation, as a load (its progress on the status line), then asked about:
+    # answered from its own text, with its sources there
+    page.evaluate(WATCH)
+    page.locator("#pasted textarea").fill(DOOR)
+    page.locator("#add-document").click()
+    page.wait_for_selector("#gen-status >> text=Added pasted text", timeout=120_000)
+    statuses = page.evaluate("() => window.__status")
+    assert any(s.startswith("Adding pasted text (") for s in statuses), statuses
+    assert "The conversation holds sample passkey_1k.txt and, added: pasted text (" in statuses[-1], statuses[-1]
+    ask(page, DOOR_QUESTION)
+    chat = answered(page)
+    assert "4721" in answer_text(chat, DOOR_QUESTION), chat[-800:]
+    assert "in pasted text (" in chat.split(DOOR_QUESTION)[-1]  # a source in the added document, named
+    page.locator("#pasted textarea").fill("")
     page.locator("#new-conversation").click()
     page.wait_for_selector("#gen-status >> text=A new conversation about sample passkey_1k.txt", timeout=60_000)
     assert "Repeat that number." not in page.locator("#chat").inner_text()

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 from pqcache import METHODS, PQCacheConfig
 from pqcache.serving.conversation import Conversation, ConversationFullError
 from pqcache.serving.session import DocumentSession
-from tests.tiny import WordTokenizer, tiny_chat_model, tiny_model
+from tests.tiny import WordTokenizer, byte_tokenizer, tiny_chat_model, tiny_model
 
 TEXT = " ".join(f"w{(5 * i) % 43}" for i in range(300))
 SECOND = " ".join(f"v{(3 * i) % 29}" for i in range(300))
@@ -71,6 +71,29 @@ def test_an_added_document_gets_its_own_codebook_and_is_searched():
     picked = top[valid]
     assert ((picked >= start) & (picked < start + n)).any()  # the search reaches into the added document
     assert (picked < session.n_tokens).any()  # and into the first
+
+
+def test_an_added_documents_tokens_map_to_its_text_and_its_sources_are_found_there():
+    """Each token of an added document has its place in that document's text; an answer's sources are passages of
+    the document they name (the added one, or the first), their shares of all the text's attention; a replayed
+    conversation finds the same places."""
+    tok = byte_tokenizer()  # a character a token, each with its place in the text
+    model = tiny_model("llama", vocab_size=len(tok), bos_token_id=1, eos_token_id=2, max_position_embeddings=2048)
+    session = loaded(model, tok, token_budget=0.1, text=TEXT[:400])
+    talk = Conversation(session, "pqcache")
+    talk.ask("what is w3", max_new_tokens=2)
+    second = SECOND[:400]
+    talk.add_document(second, "second.txt")
+    added = talk.added[0]
+    assert added.start == session.n_tokens + len(talk.ids) - len(added.spans)
+    assert "".join(second[lo:hi] for lo, hi in added.spans if hi > lo) == second.strip()
+    answer = talk.ask("what is v7", max_new_tokens=3)
+    assert answer.sources and sum(s["share"] for s in answer.sources) <= 1 + 1e-6
+    for src in answer.sources:
+        text = added.text if src.get("document") == "second.txt" else session.doc_text
+        assert text[src["start"] : src["end"]] == src["text"] and ("document" not in src or src["document"])
+    replayed = Conversation.replay(session, talk.record())
+    assert [(a.name, a.start, a.spans) for a in replayed.added] == [(a.name, a.start, a.spans) for a in talk.added]
 
 
 def test_the_long_output_rebuild_keeps_working_in_a_conversation():

@@ -136,6 +136,8 @@ def say(text: str, max_new_tokens: int = 200, eos=frozenset()):
         ("\n\n In the third oak tree.\n\nSeptember 2017", "\n\n In the third oak tree."),  # leading blanks are kept
         (" Barley and rye.\nThey sell it on Saturday.\n\nThe town", " Barley and rye.\nThey sell it on Saturday."),
         (" In the third oak tree.\nQuestion\n\nWhere", " In the third oak tree."),  # a label cut short: not kept
+        (" 68422.\nQuestion\nQuestion", " 68422."),  # the field's word alone on its line
+        (" 68422.\nAnswer\n68422.", " 68422."),
     ],
 )
 def test_the_answer_ends_at_the_end_of_answer_without_the_stop_text(said, answer):
@@ -170,6 +172,16 @@ def test_answers_that_are_not_loops_run_to_max_new_tokens(said):
     text, ended, shown, forwards = say(said, max_new_tokens=len(said) - 3)
     assert (text, ended) == (said[:-3], "max_new_tokens") and forwards == len(said) - 4  # the hard cap
     assert shown == [said[:i] for i in range(1, len(said) - 2)]
+
+
+@pytest.mark.parametrize("said", [" 10240 bytes.\nQuestion</s>", " 10240 bytes.\nQues</s>", " 10240 bytes.\n</s>"])
+def test_an_answer_that_ends_on_the_start_of_the_next_field_does_not_keep_it(said):
+    """EOS (or the cap) right after the start of "\nQuestion:": the answer is what came before it, as streamed."""
+    model = Scripted(said)
+    out = decode_n_tokens(model, model.logits(0), None, 50, eos={2}, stop_rule=StopRule(TOK, END_OF_ANSWER))
+    assert TOK.decode(out.tokens) == " 10240 bytes." and out.ended == "eos"
+    text, ended, shown, _ = say(said.removesuffix("</s>"), max_new_tokens=len(said) - 4)
+    assert (text, ended) == (" 10240 bytes.", "max_new_tokens") and shown[-1] == text
 
 
 def test_eos_ends_the_answer_before_any_stop_text():

@@ -288,18 +288,26 @@ def test_follow_ups_continue_one_conversation_until_a_new_one(tab):
     assert ("ann", "chat") not in tab.pool.conversations
 
 
+def add(tab, file=None, pasted=""):
+    """Add to the conversation, as the page runs it: every (status line, timing line) it yields."""
+    return outputs(tab.add_to_conversation(file, pasted, "utf-8", "pqcache", request=ANN))
+
+
 def test_a_document_added_to_the_conversation_is_read_once_and_asked_about(tab, tmp_path):
-    assert tab.add_to_conversation(None, "v1 v2", "utf-8", "pqcache", request=ANN).startswith("Load a document")
+    assert add(tab, pasted="v1 v2")[-1][1].startswith("Load a document")
     load(tab)
     ask(tab)
     second = tmp_path / "second.txt"
     second.write_text(" ".join(f"v{i % 17}" for i in range(300)), encoding="utf-8")
-    said = tab.add_to_conversation(str(second), "", "utf-8", "pqcache", request=ANN)
+    outs = add(tab, str(second))
+    assert outs[0][0].startswith("Adding **second.txt** to the conversation: ")  # as a load: its progress first
+    status, said = outs[-1]
     assert said.startswith("Added **second.txt** (300 tokens) to the conversation") and "added: second.txt" in said
+    assert "The conversation holds **pasted text (" in status and "added: **second.txt**" in status
     assert "(turns 1-3; added: second.txt" in ask(tab, question="what is v3")[-1][1]
     (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 4)
-    bad = tab.add_to_conversation(str(tmp_path / "bin.txt"), "", "utf-8", "pqcache", request=ANN)
-    assert bad.startswith("**Error:** bin.txt looks like a binary file")
+    status, said = add(tab, str(tmp_path / "bin.txt"))[-1]
+    assert "**Error:** bin.txt looks like a binary file" in status and said == ""
     assert len(tab.pool.conversations[("ann", "chat")].turns) == 3  # kept as it was
 
 
@@ -307,13 +315,13 @@ def test_a_conversation_past_the_models_context_says_so_and_offers_a_new_one(tab
     load(tab)
     big = tmp_path / "big.txt"
     big.write_text(" ".join(f"v{i % 17}" for i in range(400)), encoding="utf-8")
-    assert tab.add_to_conversation(str(big), "", "utf-8", "pqcache", request=ANN).startswith("Added")
-    full = tab.add_to_conversation(str(big), "", "utf-8", "pqcache", request=ANN)
+    assert add(tab, str(big))[-1][1].startswith("Added")
+    full, _ = add(tab, str(big))[-1]
     assert full.startswith("**Error:** this conversation holds 700 tokens") and "start a new conversation" in full
     chat = ask(tab)[-1][0]
     assert chat[-1]["content"].startswith("*") or "tokens in" in chat[-1]["content"]  # it still answers
     tab.new_conversation(request=ANN)
-    assert tab.add_to_conversation(str(big), "", "utf-8", "pqcache", request=ANN).startswith("Added")
+    assert add(tab, str(big))[-1][1].startswith("Added")
 
 
 def test_a_document_loaded_again_is_read_from_the_store_and_the_line_says_so(tmp_path):

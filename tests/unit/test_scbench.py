@@ -112,7 +112,7 @@ def test_added_document_mode_adds_the_context_to_another_conversation(monkeypatc
 
     added = []
     real = Conversation.add_document
-    monkeypatch.setattr(Conversation, "add_document", lambda self, text, name="", stop=None: (
+    monkeypatch.setattr(Conversation, "add_document", lambda self, text, name="", stop=None, progress=None: (
         added.append((self.n_tokens, name)), real(self, text, name))[1])  # fmt: skip
     other = {**CASE, "id": "c0", "context": " ".join(f"v{(3 * i) % 29}" for i in range(200))}
     config = PQCacheConfig(token_budget=1.0, n_init=4, bits=4, kmeans_iters=3)

@@ -3,6 +3,9 @@ weights their steps computed (every step path: the general step, the one-row ste
 attention's exact weights when the budget covers every token; the passages cut from it; the character ranges of the
 tokens; and what the page draws of them."""
 
+import re
+from html import unescape
+
 import pytest
 import torch
 
@@ -164,3 +167,38 @@ def test_the_document_view_outlines_the_passage_and_escapes_the_text():
     assert "Click a source" in document_view(text, answer, None)
     assert chat_quotes(answer["sources"]) == "> \u201cThe pass key is 68422.\u201d (60% of the attention)"
     assert choices(answer["sources"]) == ["1. (60%) The pass key is 68422."]
+
+
+def test_a_quoted_source_reads_as_its_text_once_rendered():
+    """Markdown and HTML in a quoted passage come out as the passage's own characters, escaped once: a URL in angle
+    brackets keeps no visible backslash (the chat turns the URL into a link, and a backslash before ">" stayed)."""
+    from markdown_it import MarkdownIt
+
+    from studio.sources import chat_quotes
+
+    for text in ("See <https://json.org> and *this* [x](y) #tag a|b C:\\path &copy; R&D", "<b>bold</b> `code` _u_"):
+        markdown = chat_quotes([{"text": text, "share": 0.5}])
+        html = MarkdownIt("commonmark").render(markdown)
+        shown = re.sub(r"<[^>]+>", "", html)  # the text a reader sees (the tags are the quote's own)
+        assert unescape(shown).strip() == f"\u201c{text}\u201d (50% of the attention)", html
+        # the chat's renderer links a bare URL (GFM's extended autolinks, which CommonMark has not): no backslash
+        # may follow one, where it would not be read as an escape
+        assert not re.search(r"https?://\S*\\", markdown), markdown
+
+
+def test_passages_across_documents_name_the_added_one_and_share_all_the_attention():
+    """The loaded document and one added to the conversation: the passages that got the most attention, wherever
+    they are, each share of the attention all their text got; a passage of the added document names it."""
+    from pqcache.serving.sources import passages_in
+
+    first, added = "Alpha one.\nAlpha two.\n", "Zip one.\nZip two.\n"
+    per_char = lambda text: [(i, i + 1) for i in range(len(text))]  # noqa: E731 - a token a character
+    got_first = torch.tensor([1.0 if i < 10 else 0.0 for i in range(len(first))])  # "Alpha one." : 10
+    got_added = torch.tensor([3.0 if 9 <= i < 17 else 0.0 for i in range(len(added))])  # "Zip two." : 24
+    found = passages_in([(None, first, per_char(first), got_first), ("zip.txt", added, per_char(added), got_added)])
+    assert [(s["text"], s.get("document"), s["share"]) for s in found] == [
+        ("Zip two.", "zip.txt", round(24 / 34, 4)),
+        ("Alpha one.", None, round(10 / 34, 4)),
+    ]
+    alone = passages_in([(None, first, per_char(first), got_first)])
+    assert [(s["text"], s["share"]) for s in alone] == [("Alpha one.", 1.0)] and "document" not in alone[0]

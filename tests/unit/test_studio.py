@@ -182,8 +182,9 @@ def test_teaching_keeps_the_prefill_queries_only_when_a_chosen_method_starts_fro
 def test_teaching_spotlight_shows_what_each_method_attended_within_the_budget(teaching):
     state, _, rows = run(teaching)
     attended = {r[0]: r[3] for r in rows}
-    assert 0 < attended["streaming"] <= 0.2 * 250  # within the budget: the sinks and the recent window
-    assert 0 < attended["pqcache"] < 250  # the top-k of its heads together, not the whole document
+    asked = state["walk"]["n_tokens"] - 250  # the question's tokens, in the cache after the document
+    assert 0 < attended["streaming"] <= 0.2 * 250 + asked + 1  # the budget, the question and the new token
+    assert 0 < attended["pqcache"] < 250  # not the whole document
     assert state["selections"]["streaming"] == sorted(state["selections"]["streaming"])
     assert not any(110 <= p < 150 for p in state["selections"]["streaming"])  # far from both sinks and window
 
@@ -204,6 +205,26 @@ def test_teaching_walkthrough_has_a_picture_per_step_from_the_run_and_no_model_w
         assert figure.data and len(names) == len(set(names))  # one legend entry per series
         titles.add(figure.layout.title.text.split(":")[0])
     assert len(titles) == 5  # five different pictures
+
+
+def test_teaching_gives_one_count_of_attended_tokens_and_the_search_as_it_ran(teaching):
+    """The results table, step 5's text and step 5's picture count the same tokens; step 3 says how the PQ stage's
+    count came about (rerank x k, or the floor of rerank_min_tokens), in the run's own numbers."""
+    state, _, rows = run(teaching)
+    walk, counted = state["walk"], {r[0]: r[3] for r in rows}["pqcache"]
+    text, figure = teaching.walkthrough("5. Attention", state, USER)
+    total = walk["n_tokens"] + 1
+    assert f"Here {counted} of {total} tokens" in text and figure.layout.title.text.startswith(
+        f"5. Attention over {counted} of {total} tokens"
+    )
+    text, _ = teaching.walkthrough("3. Search", state, USER)
+    times = walk["rerank"] * walk["k"]
+    assert (
+        f"PQ kept the {walk['n_wide']} best" in text
+        and f"rerank x k = {walk['rerank']} x {walk['k']} = {times}" in text
+    )
+    if walk["n_wide"] > times:
+        assert f"raised to the floor of {walk['rerank_min']} tokens" in text
 
 
 def test_teaching_walkthrough_before_a_run_says_what_to_do(teaching):
@@ -246,3 +267,12 @@ def test_cost_model_says_what_fits_and_the_budget_unit():
     rows, _ = cost("Llama-3.1-8B", 131072, 1, "RTX 4090", "PCIe 4.0 x16", 3)
     assert rows[0][1].startswith("3 tokens per step (a count")
     assert figure is not None and intro().count("not a measurement") == 1  # said once
+
+
+def test_the_spotlight_keeps_words_whole():
+    """A word split into tokens of two colours is one span, coloured as its strongest token (the page would break a
+    line between two spans: "in the s / hallow water")."""
+    from studio.teaching import whole_words
+
+    pieces = [("In", None), (" the", None), (" s", "attended"), ("hallow", None), (" water", "the fact"), (".", None)]
+    assert whole_words(pieces) == [("In", None), (" the", None), (" shallow", "attended"), (" water.", "the fact")]

@@ -47,17 +47,32 @@ def test_recall_and_hit_rate_lines(recorded):
     assert {tr.name for tr in rec.data} == {"layer 0", "layer 1", "layer 2"}
     assert all(0 <= y <= 1 for tr in rec.data for y in tr.y)
     hits = figures.hit_rate(data)
-    assert hits.data[-1].name == "cumulative" and len(hits.data) == 4
-    total_h = sum(b["hits"] for b in data["blocks"])
-    total = total_h + sum(b["misses"] for b in data["blocks"])
+    assert hits.data[-1].name == figures.ALL_LAYERS and len(hits.data) == 4
+    last = max(b["step"] for b in data["blocks"])  # all layers together at the last step: their hits over fetches
+    total_h = sum(b["hits"] for b in data["blocks"] if b["step"] == last)
+    total = total_h + sum(b["misses"] for b in data["blocks"] if b["step"] == last)
     assert hits.data[-1].y[-1] == pytest.approx(total_h / total)
+    per_layer = [tr.y[-1] for tr in hits.data[:-1]]  # between its layers' own rates, as a reader expects
+    assert min(per_layer) - 1e-9 <= hits.data[-1].y[-1] <= max(per_layer) + 1e-9
+    assert "block cache" in figures.hit_rate({}).layout.annotations[0].text  # the empty panel says what it will draw
+
+
+def test_a_model_with_many_layers_gets_their_range_and_mean_not_a_line_each():
+    rows = [{"layer": layer, "step": step, "topk_recall": [layer / 40 + step / 100]} for layer in range(30)
+            for step in range(5)]  # fmt: skip
+    fig = figures.recall({"recall": rows})
+    assert [tr.name for tr in fig.data if tr.showlegend is not False] == ["range over 30 layers", "mean of 30 layers"]
+    low, high, mean = fig.data
+    assert list(low.y) == pytest.approx([s / 100 for s in range(5)])
+    assert list(high.y) == pytest.approx([29 / 40 + s / 100 for s in range(5)])
+    assert list(mean.y) == pytest.approx([14.5 / 40 + s / 100 for s in range(5)])
 
 
 def test_timeline_names_what_ran_where_and_shows_a_recent_window(recorded):
     data, _ = recorded
     fig = figures.timeline(data)  # a CPU run, the whole run
     lanes = {tr.name for tr in fig.data}
-    assert {"compute (CPU)", "K-Means (CPU, background thread)", "copy to the host tier (CPU memory)"} <= lanes
+    assert {"compute (CPU)", "K-Means (CPU, background thread)", "new tokens' KV to the host tier (RAM)"} <= lanes
     assert "GPU" not in fig.layout.title.text and "whole run" in fig.layout.title.text
     for tr in fig.data:  # one path per lane: spans as (start, end, gap) triples, each at least a pixel wide
         starts, ends = tr.x[0::3], tr.x[1::3]
@@ -69,6 +84,20 @@ def test_timeline_names_what_ran_where_and_shows_a_recent_window(recorded):
     assert tuple(recent.layout.xaxis.range) == pytest.approx((t_end - window_s, t_end))
     assert sum(len(tr.x) for tr in recent.data) < sum(len(tr.x) for tr in fig.data)
     assert "compute (GPU)" in {tr.name for tr in figures.timeline(data, "cuda").data}
+
+
+def test_whole_run_timeline_draws_a_long_pause_short_and_says_how_long_it_was():
+    burst = [{"lane": "device compute", "layer": 0, "start": t, "end": t + 0.1} for t in (0.0, 0.2, 0.4)]
+    later = [{**e, "start": e["start"] + 600, "end": e["end"] + 600} for e in burst]  # ten idle minutes later
+    fig = figures.timeline({"lanes": ["device compute"], "events": burst + later})
+    lo, hi = fig.layout.xaxis.range
+    assert hi - lo == pytest.approx(0.5 + figures.IDLE_S + 0.5)  # the work fills the axis, not the pause
+    assert [a.text for a in fig.layout.annotations] == ["idle 600 s"]
+    spans = [(s, e) for s, e in zip(fig.data[0].x[0::3], fig.data[0].x[1::3])]
+    assert [round(e - s, 6) for s, e in spans] == [0.1] * 6  # every span keeps its length
+    assert "pauses over" in fig.layout.xaxis.title.text
+    recent = figures.timeline({"lanes": ["device compute"], "events": burst + later}, "cpu", window_s=1.0)
+    assert not recent.layout.annotations  # a recent window shows real time
 
 
 def test_whole_run_timeline_merges_spans_it_could_not_draw_apart():
@@ -91,6 +120,8 @@ def test_memory_bars_match_stats(recorded):
     assert list(fig.data[0].y) == pytest.approx(
         [stats["device_kv_bytes"] / 2**20, stats["host_kv_bytes"] / 2**20, stats["pq_bytes"] / 2**20]
     )
+    assert "device" not in " ".join(fig.data[0].x)  # a CPU has no device: the tiers as they are there
+    assert list(figures.memory(stats, "cuda").data[0].x)[:2] == ["device KV (GPU)", "host KV (CPU memory)"]
 
 
 def test_heat_strip_counts_positions_and_marks_the_fact(recorded):
