@@ -18,7 +18,8 @@ again with the same model and settings, after a reload or a restart too.
 
 Several machines (--ray): the Q&A documents live on N Ray Serve replicas of the document worker (each its own
 model and session pool, --max-cache-gib and --concurrency each), this process serves the page and keeps every user
-on the replica holding their document (pqcache/cluster/, docs/scaling.md). The Teaching tab runs here.
+on the replica holding their document (pqcache/cluster/, docs/scaling.md); the Teaching tab runs there too, and
+this process holds no model.
 """
 
 from __future__ import annotations
@@ -150,23 +151,24 @@ def main(argv: list[str] | None = None):
     limit_malloc_arenas()
     if args.ray:  # before the model: a wrong address or too small a cluster is said at once
         connect_ray(args)
-    print("preparing the model (the first start converts the bundled GGUF, about a minute)...", flush=True)
     server = server_settings(args)
-    model, tokenizer = load_model(
-        server.model,
-        dtype=server.dtype,
-        decode_weights=server.decode_weights,
-        progress=lambda msg: print(msg, flush=True),
-    )
-    pool = server.make_pool()  # this process's caches: the Teaching tab's, and with no --ray the documents'
-    documents, store, concurrency = None, server.open_store(), server.concurrency
-    if args.ray:  # the replicas keep the documents and their store
-        documents, store = start_ray_workers(args, server), None
-        concurrency *= args.replicas  # the page's model slots: each replica's, added up
-    studio = Studio(model, tokenizer, pool, server, documents=documents, store=store, concurrency=concurrency)
-    idle = f"idle caches freed after {args.idle_minutes:g} min" if pool.idle_s else "idle caches kept"
-    where = f"on each of {args.replicas} Ray replicas" if args.ray else "in this process"
-    print(f"model ready; caches capped at {pool.max_bytes / 2**30:.2f} GiB {where}, {idle}", flush=True)
+    if args.ray:  # the replicas hold the model, the documents and their store: this process holds no model
+        documents, concurrency = start_ray_workers(args, server), server.concurrency * args.replicas
+        studio = Studio(None, None, None, server, documents=documents, concurrency=concurrency)
+        print(f"model ready on {args.replicas} Ray replicas; caches capped on each as in one process", flush=True)
+    else:
+        print("preparing the model (the first start converts the bundled GGUF, about a minute)...", flush=True)
+        model, tokenizer = load_model(
+            server.model,
+            dtype=server.dtype,
+            decode_weights=server.decode_weights,
+            progress=lambda msg: print(msg, flush=True),
+        )
+        pool = server.make_pool()
+        studio = Studio(model, tokenizer, pool, server, store=server.open_store())
+        idle = f"idle caches freed after {args.idle_minutes:g} min" if pool.idle_s else "idle caches kept"
+        print(f"model ready; caches capped at {pool.max_bytes / 2**30:.2f} GiB in this process, {idle}", flush=True)
+    concurrency = studio.concurrency
     queued(build_ui(studio), concurrency).launch(
         server_name=args.host, server_port=args.port, show_error=False, max_file_size=MAX_DOCUMENT_BYTES
     )

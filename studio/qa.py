@@ -40,10 +40,7 @@ class QATab(LoadHandlers, ConversationHandlers, DocumentListHandlers):
         self.feeds: dict[str, PanelFeed] = {}
         self.answers: dict[str, tuple[str, dict]] = {}  # user -> (document text, the last answer's sources)
         self.notices = 0
-        try:
-            self.device = next(studio.model.parameters()).device.type
-        except (AttributeError, StopIteration):
-            self.device = "cpu"
+        self.device = studio.about["device"]
 
     def feed(self, user: str) -> PanelFeed:
         if user not in self.feeds:

@@ -13,9 +13,9 @@ from pqcache.serving.worker import DocumentWorker
 
 @dataclass
 class Studio:
-    model: object
+    model: object  # None with --ray: the replicas hold it
     tokenizer: object
-    pool: SessionPool  # this process's caches: the Teaching tab's, and the Q&A tab's when documents is local
+    pool: SessionPool | None  # this process's caches, when the documents are here (None with --ray)
     server: ServerSettings = field(default_factory=ServerSettings)  # app.py's flags, as the worker got them
     # where the Q&A tab's documents live (the one interface the page uses): None builds the in-process worker
     # around model and pool; with --ray, the cluster's client (pqcache.cluster)
@@ -30,6 +30,8 @@ class Studio:
             self.concurrency = self.server.concurrency
         if self.documents is None:
             self.documents = DocumentWorker(self.model, self.tokenizer, self.pool, self.server, self.store)
+        # the model that answers and its device, from where it is (with --ray this process holds no model)
+        self.about = self.documents.about()
 
     @property
     def model_work(self) -> dict:

@@ -1,7 +1,8 @@
 """Teaching: one prefill of a preset document with three hidden facts, several methods answering the same
 question side by side under the same budget (with the right answer on screen), a token spotlight, and a
 five-step walkthrough of one PQCache decode step, each step with its own picture from this run
-(pqcache/serving/walkthrough.py records it, viz/teaching.py draws it). The page is in studio/teaching_page.py."""
+(pqcache/serving/walkthrough.py records it, viz/teaching.py draws it). The run happens where the model is
+(pqcache/serving/teaching.py, through the documents service); the page is in studio/teaching_page.py."""
 
 from __future__ import annotations
 
@@ -9,11 +10,7 @@ import os
 
 import gradio as gr
 
-from pqcache import METHODS, Instrumentation, PQCacheConfig
-from pqcache.serving.prompt import PromptBuilder, has_chat_template
-from pqcache.serving.session import DocumentSession
-from pqcache.serving.settings import DEVICE_BLOCK_CACHE_TOKENS, LABELS, number
-from pqcache.serving.walkthrough import StepRecorder
+from pqcache.serving.teaching import TeachingCase
 from studio.common import ASSETS, describe, user_of
 from studio.state import Studio
 from viz import teaching as pictures
@@ -35,11 +32,12 @@ def question_line(fact: str) -> str:
 
 
 class TeachingTab:
-    """The teaching tab's handlers; the preset document lives in the pool's "teaching" slot."""
+    """The teaching tab's handlers; the run happens where the model is (the documents service: this process's
+    worker, or a Ray replica), its preset document in the user's "teaching" slot there."""
 
     def __init__(self, studio: Studio, document: str = TEACHING_DOC):
         self.studio = studio
-        self.pool = studio.pool
+        self.documents = studio.documents
         self.document = document
 
     def run_teaching(self, methods, fact, budget, step, state, request: gr.Request, progress=gr.Progress()):
@@ -49,137 +47,41 @@ class TeachingTab:
         if not methods:
             return nothing[0], "Pick at least one method.", *nothing[1:]
         with open(self.document, encoding="utf-8") as f:
-            text = f.read()
-        user, studio = user_of(request), self.studio
-        with self.pool.use(user):
+            case = TeachingCase(f.read(), fact, *FACTS[fact])
+        user = user_of(request)
+        with self.documents.use(user):
             try:
-                config = PQCacheConfig(
-                    token_budget=number(budget, LABELS["token_budget"]),
-                    pq_timeout_s=studio.server.pq_timeout_s,
-                    kv_dtype=studio.server.kv_dtype,
-                    block_cache_tokens=DEVICE_BLOCK_CACHE_TOKENS,  # the walkthrough's fetch shows the GPU design
-                )
-                # the prefill's queries kept when a chosen method starts from them: no second read of the document
-                keep = any(METHODS[m].needs_prefill_queries for m in methods if m in METHODS)
-                session = DocumentSession(studio.model, studio.tokenizer, config, method="pqcache", keep_queries=keep)
-                session.load(
-                    text,
-                    progress=lambda f, msg: progress(0.5 * f, desc=msg),
-                    reserve=lambda n: self.pool.reserve(user, "teaching", n),
-                )
-            except Exception as exc:
-                self.pool.unreserve(user, "teaching")
-                return nothing[0], f"**Error:** {describe(exc)}", *nothing[1:]
-            self.pool.store(user, "teaching", session)
-            try:
-                state = self.teaching_answers(session, text, methods, fact, progress)
-            except Exception as exc:  # the document stays loaded; the page stays as it was
+                said = lambda fraction, words: progress(fraction, desc=words)  # noqa: E731
+                state = self.documents.teach(user, case, list(methods), budget, said)
+            except Exception as exc:  # the page stays as it was
                 return nothing[0], f"**Error:** {describe(exc)}", *nothing[1:]
         marks = [state["fact_pos"]] if state["fact_pos"] is not None else []
         return (
             state,
-            f"Prefilled {session.n_tokens} tokens once; the fact starts at token {state['fact_pos']}. Each method "
+            f"Prefilled {state['n_tokens']} tokens once; the fact starts at token {state['fact_pos']}. Each method "
             "then answered on its own copy of that cache.",
             state["rows"],
-            pictures.heat_strip(state["selections"], session.n_tokens, marks),
+            pictures.heat_strip(state["selections"], state["n_tokens"], marks),
             self.spotlight_text(state, methods[0]),
             *self.walkthrough(step, state),
         )
-
-    def positions(self, text: str, fact: str) -> tuple[int | None, int | None, int | None]:
-        """Token positions of the fact's start, of its answer, and of the end of its sentence."""
-        tok, low = self.studio.tokenizer, text.lower()
-        char = low.find(fact)
-        if char < 0:
-            return None, None, None
-        answer_char = low.find(FACTS[fact][1].lower(), char)
-        end_char = low.find(".", answer_char if answer_char >= 0 else char)
-
-        def at(c):
-            return PromptBuilder(tok).document_ids(text[:c]).shape[1] if c >= 0 else None  # as the session caches
-
-        return at(char), at(answer_char), at(end_char + 1 if end_char >= 0 else -1)
-
-    def first_answer_token(self, ids: list[int], pos: int | None, answer: str) -> int | None:
-        """The position of the answer's first token: the token before may hold its start (" 4"), a blank token
-        before it is skipped."""
-        if pos is None:
-            return None
-        decode = self.studio.tokenizer.decode
-        before = decode([ids[pos - 1]]).strip().lower() if 0 < pos <= len(ids) else ""
-        if before and answer.lower().startswith(before):
-            pos -= 1
-        while pos < len(ids) - 1 and not decode([ids[pos]]).strip():
-            pos += 1
-        return pos
-
-    def teaching_answers(self, session, text, methods, fact, progress) -> dict:
-        tok = self.studio.tokenizer
-        question, right = FACTS[fact]
-        fact_pos, answer_pos, end_pos = self.positions(text, fact)
-        answer_pos = self.first_answer_token(session.doc_ids, answer_pos, right)
-        rows, selections, recorder = [], {}, StepRecorder()
-        # a base model fills the answer slot ("4721."); an instruct model says a sentence ("The code to open the
-        # blue door is 4721."), and ends it with its end-of-turn token
-        tokens = 16 if has_chat_template(tok) else 8
-        for i, method in enumerate(methods):
-            progress(0.5 + 0.5 * i / len(methods), desc=f"{method} answering")
-            obs = Instrumentation(timeline=False, selections=True)
-            # PQCache's answer is also the walkthrough's run: the recorder is PQCache, it only reads
-            answer = session.ask(
-                question, method=recorder if method == "pqcache" else method, max_new_tokens=tokens, observer=obs
-            )
-            layer0 = min((r["layer"] for r in obs.selected), default=None)
-            steps = [r for r in obs.selected if r["layer"] == layer0]
-            # the step that reads the first generated token: the question before it may read the whole document
-            # (PQCacheConfig.chunk_attention="exact"), every step from here on is the method's own selection
-            first = steps[1] if len(steps) > 1 else steps[0] if steps else None
-            positions = sorted({p for head in first["positions"][0] for p in head}) if first else []
-            selections[method] = [p for p in positions if p < session.n_tokens]  # the spotlight: every KV head's
-            correct = "yes" if right.lower() in answer.text.lower() else "no"
-            shown = answer.text.strip().split("\n")[0]  # the answer's line (a cut-off next frame is not shown)
-            # the one count of attended tokens the tab gives: KV head 0 at that step, as step 5 shows it
-            rows.append([method, shown, correct, len(first["positions"][0][0]) if first else 0])
-        if recorder.snap is None:  # PQCache was not among the methods: a short answer of its own for the walkthrough
-            progress(0.95, desc="recording a PQCache step for the walkthrough")
-            session.ask(question, method=recorder, max_new_tokens=2)
-        # the answer's tokens first (the lookup table boxes the first), then the words before it in the fact
-        focus = []
-        if answer_pos is not None:
-            ahead = range(answer_pos, min(end_pos or answer_pos + 4, answer_pos + 4))
-            focus = [*ahead, *range(max(fact_pos, answer_pos - 4), answer_pos)]
-        walk = recorder.describe(focus)
-        labels = {p: repr(tok.decode([session.doc_ids[p]])) for p in focus if p < len(session.doc_ids)}
-        # the page keeps what it shows, not the session: the pool alone holds (and may free) the cache
-        return {
-            "doc_ids": list(session.doc_ids),
-            "selections": selections,
-            "fact_pos": fact_pos,
-            "fact_span": [fact_pos, end_pos] if fact_pos is not None else None,
-            "answer_pos": answer_pos,
-            "rows": rows,
-            "walk": walk,
-            "labels": labels,
-        }
 
     def spotlight_text(self, state, method):
         """The document tokens around the fact: the fact's own tokens and those `method` attended at its first
         step, marked by colour (the legend names them; no tag on every token)."""
         if not state or method not in state.get("selections", {}):
             return []
-        doc_ids, chosen = state["doc_ids"], set(state["selections"][method])
-        fact = state["fact_pos"] or 0
-        lo_f, hi_f = state.get("fact_span") or [fact, fact]
-        lo, hi = max(0, fact - 50), min(len(doc_ids), (hi_f or fact) + 40)
-        tok = self.studio.tokenizer
+        chosen = set(state["selections"][method])
+        lo_f, hi_f = state.get("fact_span") or [state["fact_pos"] or 0] * 2
+        first, texts = state["spotlight"]
 
         def kind(p):
-            in_fact = lo_f <= p < hi_f
+            in_fact = lo_f <= p < (hi_f or lo_f)
             if p in chosen:
                 return "the fact, attended" if in_fact else "attended"
             return "the fact" if in_fact else None
 
-        return whole_words([(tok.decode([doc_ids[p]]), kind(p)) for p in range(lo, hi)])
+        return whole_words([(text, kind(first + i)) for i, text in enumerate(texts)])
 
     def walkthrough(self, step, state, request: gr.Request | None = None):
         """One step of the walkthrough: what it does, with numbers and a picture from this run (no model work)."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gradio as gr
 
 from pqcache import METHODS
-from pqcache.serving.loading import describe_model
 from studio.costmodel_tab import DEFAULT, build_cost_tab, cost
 from studio.qa import QATab
 from studio.qa_page import build_qa_tab
@@ -21,7 +20,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
         gr.Markdown(
             "# PQCache Studio\nAsk questions about a long document while attention reads only the tokens that "
             "product-quantization search picks, and see what the cache did.\n\n"
-            f"Answering: **{describe_model(studio.model, studio.tokenizer)}**",
+            f"Answering: **{studio.about['model']}**",
             elem_id="model-line",
         )
         with gr.Tab("Document Q&A"):

@@ -250,3 +250,24 @@ def test_two_users_keep_their_own_conversations(service, user):
         assert service.conversation_state(other)["asked"] == [1]
     finally:
         service.end(other)
+
+
+def test_the_teaching_run_happens_where_the_model_is(service, user):
+    """The Teaching tab's run through the service: one prefill of its document beside the user's (which stays),
+    each method's row, the walkthrough's data and the spotlight's token texts, as plain data the page needs no
+    model for; the model line and device from where the model is."""
+    from pqcache.serving.teaching import TeachingCase
+
+    load(service, user)
+    ask(service, user, "What is w3?")
+    text = " ".join([DOCUMENT, "the code to open the blue door is 4721 .", DOCUMENT])
+    case = TeachingCase(text, "the code to open the blue door", "What is the code?", "4721")
+    seen = []
+    lesson = service.teach(user, case, ["pqcache", "streaming"], 0.3, lambda f, words: seen.append(f))
+    assert [row[0] for row in lesson["rows"]] == ["pqcache", "streaming"] and lesson["walk"]["k"] > 0
+    assert lesson["fact_pos"] is not None and lesson["n_tokens"] > lesson["fact_pos"]
+    first, texts = lesson["spotlight"]
+    assert "".join(texts[lesson["fact_pos"] - first :]).lstrip().startswith("the code")  # the fact's own tokens
+    assert seen and seen == sorted(seen) and seen[-1] <= 1
+    assert service.conversation_state(user)["asked"] == [1]  # the user's document and conversation stay
+    assert service.about()["model"] and service.about()["device"] == "cpu"

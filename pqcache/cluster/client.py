@@ -219,6 +219,35 @@ class ClusterDocuments:
             ) from None
         raise ReplicaError("the worker ended the load without a result")
 
+    def about(self) -> dict:
+        """The replicas' model (each loads the same one) and its device, from the first that answers."""
+        for replica in self.replicas:
+            try:
+                return replica.call("about", timeout_s=PROBE_TIMEOUT_S)
+            except ReplicaDown:
+                continue
+        raise PQCacheError("no worker is running right now: try again in a moment")
+
+    def teach(self, user: str, case, methods: list[str], budget, progress=None, stop=None) -> dict:
+        """The Teaching tab's run on the user's replica (where their document is, else the least busy one)."""
+        replica = self._place(user)
+        forwarded = False
+        try:
+            for part in replica.stream("teach", user, case, methods, budget):
+                if stop is not None and stop.is_set() and not forwarded:
+                    forwarded = True
+                    self._forward(user, "stop")
+                if "progress" in part and progress is not None:
+                    progress(*part["progress"])
+                if "error" in part:
+                    raise error_of(part)
+                if "lesson" in part:
+                    return part["lesson"]
+        except ReplicaDown:
+            lost = f"the worker running the lesson (replica {replica.index}) stopped: run it again"
+            raise ReplicaError(lost) from None
+        raise ReplicaError("the worker ended the lesson without a result")
+
     def _asker(self, user: str, home: Home):
         def ask(question, method, max_new_tokens, observe, conversation):
             return self._stream(user, home, "ask", question, method, max_new_tokens, observe, conversation)

@@ -119,6 +119,9 @@ class DocumentReplica:
             "summary": self.worker.summary(),
         }
 
+    async def about(self) -> dict:
+        return self.worker.about()
+
     async def summary(self) -> dict:
         """The pool's figures, requests waiting for a model slot, and this process's resident memory (MiB)."""
         return {**self.worker.summary(), "waiting": self.waiting, "rss_mib": resident_mib()}
@@ -241,6 +244,22 @@ class DocumentReplica:
             emit({"answer": fields, "last_stats": self.worker.session(user).last_stats, "panels": obs.since(counts)})
 
         async for item in self._model_work(user, job, STOPPED_ANSWER):
+            yield item
+
+    async def teach(self, user: str, case, methods: list[str], budget):
+        """Stream {"progress": [fraction, step]}..., then {"lesson": ...} (the Teaching tab's run), or {"error"}."""
+        self.worker.entry(user).stop.clear()
+
+        def job(emit, stop):
+            def progress(fraction, step):
+                emit({"progress": [fraction, step]})
+
+            emit({"lesson": self.worker.teach(user, case, methods, budget, progress, stop)})
+
+        def waiting(emit, n):
+            emit({"progress": [0.0, f"waiting for a model slot on this worker ({n} ahead)"]})
+
+        async for item in self._model_work(user, job, STOPPED, waiting):
             yield item
 
     # ---- the user's conversation, beside their document -------------------------------------------------

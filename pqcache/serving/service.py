@@ -56,6 +56,14 @@ class DocumentsService(Protocol):
     def summary(self) -> dict:
         """The service's memory and users, as plain data for the status panel."""
 
+    def about(self) -> dict:
+        """{"model": one line naming the model that answers, "device": "cpu" or "cuda"} (where the model is)."""
+
+    def teach(self, user: str, case, methods: list[str], budget, progress=None, stop=None) -> dict:
+        """The Teaching tab's run where the model is: one prefill of `case.text` (a TeachingCase) beside the user's
+        document, each method answering `case.question` on a copy of it; the run as plain data
+        (serving/teaching.py), streaming progress(fraction, words)."""
+
     # ---- conversations on the user's document ------------------------------------------------------------------
     def ask(
         self, user, question, method, max_new_tokens=64, stop=None, observer=None, on_token=None, conversation=CHAT

@@ -9,7 +9,8 @@ holding a DocumentWorker of its own. The calls:
   session(user)                        the loaded session, None, or SessionEvictedError (why it was freed)
   ask(user, question, method, ...)     an answer within the user's conversation on their document
   add_document(user, name, text, stop), new_conversation(user), conversation_state(user)
-  notice(user), free(user), end(user), summary()
+  notice(user), free(user), end(user), summary(), about()
+  teach(user, case, methods, budget, progress, stop)   the Teaching tab's run, in the user's "teaching" slot
 
 A user's conversation lives here, beside their document: follow-ups see the earlier turns in this process and on
 a Ray replica alike.
@@ -19,16 +20,21 @@ from __future__ import annotations
 
 import threading
 
+from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import NoDocumentError, PQCacheConfigError, SessionEvictedError
+from pqcache.engine.methods import METHODS
 from pqcache.serving.conversation import Conversation
+from pqcache.serving.loading import describe_model
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.service import CHAT
 from pqcache.serving.session import DocumentSession
-from pqcache.serving.settings import LoadSettings, in_form_words
+from pqcache.serving.settings import DEVICE_BLOCK_CACHE_TOKENS, LABELS, LoadSettings, in_form_words, number
 from pqcache.serving.stored_conversations import keep, resume
+from pqcache.serving.teaching import TeachingCase, lesson
 
 SLOT = "qa"
+TEACHING = "teaching"  # the Teaching tab's document, a slot of its own beside the user's
 
 
 class DocumentWorker:
@@ -63,6 +69,10 @@ class DocumentWorker:
 
     def summary(self) -> dict:
         return self.pool.summary()
+
+    def about(self) -> dict:
+        """The model that answers, in one line, and the device it runs on."""
+        return {"model": describe_model(self.model, self.tokenizer), "device": device_of(self.model)}
 
     def count(self, user: str, nbytes: int, slot: str = SLOT):
         self.pool.count(user, slot, nbytes)
@@ -103,6 +113,33 @@ class DocumentWorker:
             raise
         self.pool.store(user, SLOT, session)
         return session
+
+    def teach(self, user: str, case: TeachingCase, methods: list[str], budget, progress=None, stop=None) -> dict:
+        """The Teaching tab's run: one prefill of `case.text` in the user's "teaching" slot (beside their document,
+        under the same memory cap), then each method answers `case.question` on a copy of that cache; the run as
+        plain data (serving/teaching.py). progress(fraction, words) from 0 to 1; a Stop ends the prefill."""
+        say = progress or (lambda fraction, words: None)
+        config = PQCacheConfig(
+            token_budget=number(budget, LABELS["token_budget"]),
+            pq_timeout_s=self.server.pq_timeout_s,
+            kv_dtype=self.server.kv_dtype,
+            block_cache_tokens=DEVICE_BLOCK_CACHE_TOKENS,  # the walkthrough's fetch shows the GPU design
+        )
+        # the prefill's queries kept when a chosen method starts from them: no second read of the document
+        keep_queries = any(METHODS[m].needs_prefill_queries for m in methods if m in METHODS)
+        session = DocumentSession(self.model, self.tokenizer, config, method="pqcache", keep_queries=keep_queries)
+        try:
+            session.load(
+                case.text,
+                progress=lambda f, words: say(0.5 * f, words),
+                stop=stop,
+                reserve=lambda n: self.pool.reserve(user, TEACHING, n),
+            )
+        except BaseException:
+            self.pool.unreserve(user, TEACHING)
+            raise
+        self.pool.store(user, TEACHING, session)
+        return lesson(session, case, methods, lambda f, words: say(0.5 + 0.5 * f, words))
 
     # ---- the user's conversations on their document -------------------------------------------------
     def conversation(self, user: str, method: str, name: str = CHAT) -> tuple[Conversation, str]:
@@ -208,3 +245,11 @@ class DocumentWorker:
         talks = [t for (u, _), t in list(self.conversations.items()) if u == user and t.session is session]
         extra = sum(len(t.ids) for t in talks)
         self.count(user, session.nbytes() + int(session.nbytes() / session.n_tokens * extra))
+
+
+def device_of(model) -> str:
+    """ "cpu" or "cuda": where the model's weights are."""
+    try:
+        return next(model.parameters()).device.type
+    except (AttributeError, StopIteration):
+        return "cpu"

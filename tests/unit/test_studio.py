@@ -158,7 +158,7 @@ def test_teaching_runs_side_by_side_with_the_right_answer(teaching):
     assert [r[0] for r in rows] == ["pqcache", "streaming"] and all(r[3] > 0 for r in rows)
     assert all(r[2] in ("yes", "no") for r in rows)  # right or not, against the answer on screen
     assert question_line(FACT).endswith("**Right answer:** 4721")
-    assert teaching.pool.session("teacher", "teaching") is not None
+    assert teaching.studio.pool.session("teacher", "teaching") is not None
     spotlight = teaching.spotlight_text(state, "streaming")  # the tokens around the fact, by colour, no tags
     assert {kind for _, kind in spotlight} <= {None, "attended", "the fact", "the fact, attended"}
     assert any(kind and "the fact" in kind for _, kind in spotlight)
@@ -173,10 +173,10 @@ def test_teaching_keeps_the_prefill_queries_only_when_a_chosen_method_starts_fro
     real = session_module.read_queries
     monkeypatch.setattr(session_module, "read_queries", lambda *a: reads.append(1) or real(*a))
     run(teaching, methods=("pqcache", "snapkv"))
-    session = teaching.pool.session("teacher", "teaching")
+    session = teaching.studio.pool.session("teacher", "teaching")
     assert reads == [] and session.cache.stats()["query_bytes"] > 0
     run(teaching)
-    assert teaching.pool.session("teacher", "teaching").cache.stats()["query_bytes"] == 0
+    assert teaching.studio.pool.session("teacher", "teaching").cache.stats()["query_bytes"] == 0
 
 
 def test_teaching_spotlight_shows_what_each_method_attended_within_the_budget(teaching):
@@ -245,12 +245,12 @@ def test_teaching_errors_are_messages_without_a_traceback(teaching, monkeypatch)
     )
     again, status, rows = run(teaching)
     assert status == message and rows == [] and again is None  # the page's state stays as it was
-    assert teaching.pool.entry("teacher").busy == 0
+    assert teaching.studio.pool.entry("teacher").busy == 0
 
 
 def test_teaching_walkthrough_after_the_server_freed_the_document(teaching):
     state, _, _ = run(teaching)
-    teaching.pool.free("teacher", "teaching")
+    teaching.studio.pool.free("teacher", "teaching")
     text, figure = teaching.walkthrough("4. Fetch", state, USER)  # the pictures are the run's, kept on the page
     assert text.startswith("**4. Fetch.**") and figure.data
 
