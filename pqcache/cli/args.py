@@ -29,7 +29,7 @@ def _iters(text: str):
 
 
 # how a flag's text becomes the setting, where it is not the default's own type
-PARSERS = {"token_budget": _budget, "kmeans_iters": _iters, "m": int, "bits": int, "n_local": int}
+PARSERS = {"token_budget": _budget, "kmeans_iters": _iters, "m": int, "bits": int, "n_local": int, "mass": float}
 
 
 def add_engine_flags(parser, names: tuple[str, ...]):
@@ -37,6 +37,9 @@ def add_engine_flags(parser, names: tuple[str, ...]):
     them (engine/config.py), so every command says the same of each setting."""
     for name in names:
         spec = described()[name]
+        if spec.default is False:  # a switch, off by default: the flag alone turns it on
+            parser.add_argument("--" + name.replace("_", "-"), action="store_true", help=spec.metadata["help"])
+            continue
         parse = PARSERS.get(name, type(spec.default))
         choices = spec.metadata["choices"]
         parser.add_argument(
@@ -74,6 +77,8 @@ ANSWER_SETTINGS = (
     "m",
     "bits",
     "rerank",
+    "mass",
+    "completion",
     "token_budget",
     "n_init",
     "n_local",
@@ -81,7 +86,7 @@ ANSWER_SETTINGS = (
     "block_cache_tokens",
     "cache_policy",
 )
-EVAL_SETTINGS = ("token_budget", "m", "bits", "n_init", "n_local", "rerank", "chunk_attention")
+EVAL_SETTINGS = ("token_budget", "m", "bits", "n_init", "n_local", "rerank", "mass", "completion", "chunk_attention")
 
 
 def add_answer_flags(g: argparse.ArgumentParser):
@@ -197,8 +202,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("--json", action="store_true", help='print one object {"rows": [...]}')
 
-    e = sub.add_parser("eval", help="compare methods on a case file (or: eval recall)")
-    e.add_argument("mode", nargs="?", choices=["recall"], help="recall: PQ recall study on the model's real keys")
+    e = sub.add_parser("eval", help="compare methods on a case file (or: eval recall, eval fidelity)")
+    e.add_argument(
+        "mode",
+        nargs="?",
+        choices=["recall", "fidelity"],
+        help="recall: PQ recall study on the model's real keys; fidelity: each method's attention output against "
+        "full attention's on the model's real keys, values and queries",
+    )
     e.add_argument("--cases", type=Path, help="JSONL: id, context, question, answers[, query_aware] (--format)")
     e.add_argument(
         "--format",
@@ -238,7 +249,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="longbench: the most prompt tokens, longer prompts cut in the middle (LongBench's model2maxlen; "
         "default: the model's positions less the answer's tokens)",
     )
-    e.add_argument("--methods", default="full,pqcache", help="comma-separated method names")
+    e.add_argument(
+        "--methods",
+        default=None,
+        help="comma-separated method names (default full,pqcache); fidelity: settings among full, oracle, pqcache, "
+        "pqcache+mass0.9, pqcache+mass0.95, pqcache+completion (default: all)",
+    )
     e.add_argument("--out", type=Path, help="write one JSON line per case and method")
     e.add_argument("--group-by", default="", help="comma-separated case fields for the summary")
     e.add_argument("--model", default="default")
@@ -251,7 +267,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="answer tokens at most (default 24; longbench, ruler, scbench: each case its benchmark's own length)",
     )
     add_engine_flags(e, EVAL_SETTINGS)
-    e.add_argument("--context-tokens", type=int, default=4096, help="recall: essay tokens used")
+    e.add_argument("--context-tokens", type=int, default=4096, help="recall, fidelity: essay tokens used")
+    e.add_argument(
+        "--context-file",
+        type=Path,
+        default=None,
+        help="fidelity: the text prefilled (default: the essays), cut to --context-tokens",
+    )
+    e.add_argument("--n-queries", type=int, default=8, help="fidelity: held-out tokens replayed as decode steps")
     e.add_argument("--ms", type=_opt_ints, default=(None, 2, 4), help="recall: m values ('auto' for the default)")
     e.add_argument("--bits-list", type=_opt_ints, default=(None, 6, 8), help="recall: bits values ('auto' too)")
     e.add_argument(
@@ -264,8 +287,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--budgets",
         type=lambda t: tuple(_budget(x) for x in t.split(",")),
-        default=(0.1,),
-        help="recall: token budgets",
+        default=None,
+        help="recall (default 0.1), fidelity (default 0.1,0.05,0.02,0.01,0.005): token budgets",
     )
     e.add_argument("--json", action="store_true")
 

@@ -64,6 +64,19 @@ class PQCacheConfig:
     # Two-stage search: PQ scores pick rerank x k candidates, their exact scores (computed on the host
     # tier, where the keys are) pick the k attended. 1: the paper's single-stage search.
     rerank: int = setting(4, "exact re-rank of rerank x k PQ candidates (1: PQ scores alone)")
+    # A budget in attention mass (engine/mass.py): per KV head and step, the fewest of the top-k picks whose
+    # estimated share of the attention mass (every token's PQ score, exact where known) reaches `mass`; the token
+    # budget's top-k is the ceiling, `mass_floor_tokens` picks the floor (an estimate from noisy scores can be
+    # overconfident). 1.0 keeps every pick. None: the fixed top-k.
+    mass: float | None = setting(
+        None, "attention mass to hold, in (0, 1]: the fewest top-k picks reaching it (the token budget is the ceiling)"
+    )
+    mass_floor_tokens: int = 16
+    # Completion (engine/completion.py): the unselected middle tokens' share of the softmax estimated from their
+    # PQ scores and a mean value per code, merged with the exact attention over the selection by log-sum-exp.
+    completion: bool = setting(
+        False, "estimate the unselected tokens' attention from their PQ codes and add it to the selection's"
+    )
     # OPQ: learn an orthogonal rotation of each (row, KV head)'s keys before PQ (faiss OPQMatrix);
     # queries are rotated too, on the host where the rotations are kept.
     opq: bool = False
@@ -170,17 +183,28 @@ class PQCacheConfig:
         return max(1, math.ceil(self.token_budget * context_len))
 
     def split(self, context_len: int) -> tuple[int, int, int]:
-        """(n_init, n_topk, n_local) for a context of `context_len` tokens. The sinks and a set window are kept as
-        asked, past the budget if need be (a sink or window count past the document reads all of it); the top-k
-        part gets what the budget leaves."""
+        """(n_init, n_topk, n_local) for a context of `context_len` tokens. The sinks take at most a quarter of the
+        budget, unless they cover the whole context (a sink count past the document reads all of it); a set window
+        is kept as asked, past the budget if need be; an unset one is local_ratio of what the sinks leave; the top-k
+        part gets the rest."""
         budget = self.budget_tokens(context_len)
-        n_init = self.n_init
+        n_init = self.sinks(budget, context_len)
         if self.n_local is not None:
             n_local = self.n_local
         else:
             n_local = max(1, round((budget - n_init) * self.local_ratio))
         n_topk = max(0, budget - n_init - n_local)
         return n_init, n_topk, n_local
+
+    def sinks(self, budget: int, context_len: int) -> int:
+        """The sinks of a split. Below 4 x n_init tokens (128 by default) the sinks would otherwise eat the budget:
+        at 1/100 of 1.5K-3K tokens (15-30 tokens) all of it went to the 32 sinks and a one-token window, and
+        nothing was retrieved. Capped at a quarter, the sinks keep the first few tokens (the attention-sink effect
+        needs only a handful) and the window and the top-k share the remaining three quarters. Budgets of
+        4 x n_init tokens and more split as before."""
+        if self.n_init >= context_len:
+            return self.n_init
+        return min(self.n_init, budget // 4)
 
     def check_head_dim(self, head_dim: int) -> None:
         if self.m is not None and head_dim % self.m:
@@ -236,6 +260,13 @@ def config_errors(config: PQCacheConfig) -> list[str]:
         errors.append(f"rerank_min_tokens must be an int >= 0, got {config.rerank_min_tokens!r}")
     if not isinstance(config.opq, bool):
         errors.append(f"opq must be True or False, got {config.opq!r}")
+    m = config.mass
+    if m is not None and (isinstance(m, bool) or not isinstance(m, (int, float)) or not 0 < m <= 1):
+        errors.append(f"mass must be None or a share of the attention in (0, 1], got {m!r}")
+    if not _is_int(config.mass_floor_tokens) or config.mass_floor_tokens < 0:
+        errors.append(f"mass_floor_tokens must be an int >= 0, got {config.mass_floor_tokens!r}")
+    if not isinstance(config.completion, bool):
+        errors.append(f"completion must be True or False, got {config.completion!r}")
     if not _is_int(config.rerank) or config.rerank < 1:
         errors.append(f"rerank must be an int >= 1 (1: PQ scores alone), got {config.rerank!r}")
     if not _is_int(config.block_size) or config.block_size < 1:

@@ -12,6 +12,8 @@ Records
              share of the exact attention mass that the attended tokens carry
   blocks     per layer and step: block-cache hits and misses of the retrieved tokens
   selected   (selections=True) per layer and step: the positions each row and KV head attended to
+  mass       per layer and step, where the selection estimated it (a budget in mass, completion): the estimated
+             share of the attention mass the attended tokens hold, and the tokens attended, per KV head
   bytes      bytes moved to the host tier and to the device tier
   cost_s     the seconds its own recording took (probe.py adds them): the price of watching, beside the work
 """
@@ -26,7 +28,7 @@ from contextlib import contextmanager
 import torch
 
 LANES = ("device compute", "host clustering", "copy to host", "copy to device")
-RECORDS = ("events", "attention", "recall", "blocks", "selected")  # the kinds of records, each a list
+RECORDS = ("events", "attention", "recall", "blocks", "selected", "mass")  # the kinds of records, each a list
 
 
 @functools.lru_cache(maxsize=64)
@@ -70,6 +72,7 @@ class Instrumentation:
         self.recall: list[dict] = []
         self.blocks: list[dict] = []
         self.selected: list[dict] = []
+        self.mass: list[dict] = []
         self.bytes = {"to_host": 0, "to_device": 0}
         self.cost_s = 0.0  # seconds spent recording (the sampled steps' exact scores included): what observing costs
 
@@ -147,6 +150,23 @@ class Instrumentation:
         """positions[b][h]: the token positions that row b, KV head h attended to at this step."""
         self.selected.append({"layer": layer, "step": step, "positions": positions})
 
+    def record_mass(self, layer: int, step: int, share: torch.Tensor, tokens: torch.Tensor):
+        """share (B, H) the estimated share of the attention mass held, tokens (B, H) the tokens attended: their
+        means over the rows, per KV head (engine/mass.py)."""
+        self.mass.append(
+            {
+                "layer": layer,
+                "step": step,
+                "estimated_share": share.float().mean(0).tolist(),
+                "tokens": tokens.float().mean(0).tolist(),
+            }
+        )
+
+    def mean_tokens(self, layer: int) -> float | None:
+        """The tokens attended per KV head and step, averaged over the layer's mass records (None: none)."""
+        rows = [t for r in self.mass if r["layer"] == layer for t in r["tokens"]]
+        return sum(rows) / len(rows) if rows else None
+
     def record_blocks(self, layer: int, step: int, hits: int, misses: int):
         self.blocks.append({"layer": layer, "step": step, "hits": hits, "misses": misses})
 
@@ -164,6 +184,7 @@ class Instrumentation:
                 "recall": list(self.recall),
                 "blocks": list(self.blocks),
                 "selected": list(self.selected),
+                "mass": list(self.mass),
                 "bytes": dict(self.bytes),
             }
 

@@ -23,6 +23,11 @@ def masked_attention(
     mask (B, H, Q, N) bool -> output (B, Q, H*G, D) and probabilities (B, H, G*Q, N).
     known: (start, scores (B, H, k, G*Q)): the scaled scores of buffer slots start..start+k-1, already computed
     exactly by the selection (PQCache's re-rank); those slots' keys are not read (they need not be there)."""
+    return attend_scores(masked_scores(q, keys, mask, scaling, softcap, known), values, mask.shape[2])
+
+
+def masked_scores(q, keys, mask, scaling: float, softcap=None, known=None) -> torch.Tensor:
+    """masked_attention's scaled (and soft-capped) scores (B, H, G*Q, N), -inf where the mask hides a slot."""
     B, H, R, D = q.shape
     Q = mask.shape[2]
     G = R // Q
@@ -36,10 +41,16 @@ def masked_attention(
     att = att.view(B, H, G, Q, -1)
     if softcap is not None:  # Gemma 2 style logit soft-capping
         att = torch.tanh(att / softcap) * softcap
-    att = att.masked_fill(~mask[:, :, None], float("-inf"))
-    probs = att.float().softmax(dim=-1).to(values.dtype).view(B, H, R, -1)
+    return att.masked_fill(~mask[:, :, None], float("-inf")).view(B, H, R, -1)
+
+
+def attend_scores(att: torch.Tensor, values: torch.Tensor, Q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scores (B, H, G*Q, N) from masked_scores, values (B, H, N, D) -> output (B, Q, H*G, D), probabilities."""
+    B, H, R, _ = att.shape
+    D = values.shape[-1]
+    probs = att.float().softmax(dim=-1).to(values.dtype)
     out = probs @ values  # (B, H, G*Q, D)
-    return out.view(B, H * G, Q, D).transpose(1, 2), probs
+    return out.view(B, H * (R // Q), Q, D).transpose(1, 2), probs
 
 
 def query_key_dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

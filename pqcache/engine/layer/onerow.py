@@ -53,6 +53,8 @@ def ready(layer, query: torch.Tensor) -> bool:
         return False
     if layer.obs is not None and layer.obs.selections:  # the position of every buffer slot: PQLayer.attend's
         return False
+    if layer.config.mass is not None or layer.config.completion:  # the mass estimate: PQLayer.attend's (issue 64)
+        return False
     index = layer.method_state.get("index")
     if index is None or len(index.segments) != 1 or index.rotations:
         return False

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 import torch
 
 from pqcache.engine import pq
+from pqcache.engine.completion import VALUE_MEANS
 from pqcache.engine.errors import PQBuildError
 from pqcache.engine.layer.builds import BuildFault
 from pqcache.engine.layer.index import PQIndex
+from pqcache.engine.mass import MASS_ESTIMATE
 from pqcache.engine.methods.base import (
     PICKED_SCORES,
     ScoreMethod,
@@ -24,6 +26,7 @@ from pqcache.engine.methods.base import (
     select_top,
     topk_positions,
 )
+from pqcache.engine.methods.estimate import estimate_and_cut, exact_scores_at
 from pqcache.native import select as native_select
 
 NATIVE_SELECT = True  # the selection in C where it can (native/select.py); tests switch it off to compare with torch
@@ -69,13 +72,22 @@ class PQCacheMethod(ScoreMethod):
 
     def select(self, view, q):
         """PQ search for rerank x k candidates, then the exact scores of those candidates pick k. The picks'
-        exact scores are left in view.state[PICKED_SCORES]: the attention uses them instead of their keys."""
+        exact scores are left in view.state[PICKED_SCORES]: the attention uses them instead of their keys.
+        With a budget in mass or completion, the step's mass estimate is left in view.state[MASS_ESTIMATE] and
+        a budget in mass keeps the fewest picks that reach it (methods/estimate.py)."""
         ks = view.ks
         wide = first_stage_counts(view)
         top, valid = self.search(view, q, wide)
-        if wide == ks:  # single stage, or the budget already covers the candidates
-            return top, valid
-        top, valid, view.state[PICKED_SCORES] = rerank_exact(view.host, q, top, valid, ks, view.config.gqa_combine)
+        estimating = view.config.mass is not None or view.config.completion
+        known = None  # the re-rank's candidates and their exact scores, which the estimate uses
+        if wide != ks:  # not single stage, and the budget does not cover the candidates
+            exact = exact_scores_at(view.host, q, top) if estimating else None
+            known = (top, valid, exact)
+            picked = rerank_exact(view.host, q, top, valid, ks, view.config.gqa_combine, exact)
+            top, valid, view.state[PICKED_SCORES] = picked
+        if estimating:
+            approx = approx_scores(view.state["index"], q)
+            valid, view.state[MASS_ESTIMATE] = estimate_and_cut(view, q, approx, known, top, valid)
         return top, valid
 
     def search(self, view, q, ks: list[int]):
@@ -87,8 +99,9 @@ class PQCacheMethod(ScoreMethod):
         return {} if index is None else dict(index.stats)
 
     def device_bytes(self, view):
-        index = view.state.get("index")
-        return 0 if index is None else index.nbytes
+        """The index's codes and centroids, and completion's mean values where it keeps them."""
+        index, means = view.state.get("index"), view.state.get(VALUE_MEANS)
+        return (0 if index is None else index.nbytes) + (0 if means is None else means.nbytes)
 
 
 def search(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], mode: str):
@@ -132,18 +145,15 @@ def first_stage_count(config, k: int, n_cand: int) -> int:
     return min(max(config.rerank * k, floor), n_cand)
 
 
-def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], mode: str):
+def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], mode: str, exact=None):
     """The second stage: exact q.k of the PQ candidates top (B, H, k') picks the final k of each row,
     under the same GQA combine. It runs where the keys live (the host tier): only the query goes
     there and only positions and the picks' scores come back -> positions (B, H, k), validity (B, H, k) and
     the picks' exact scores (B, H, k, R) on the device. With those scores the step needs only the picks'
-    values: their keys are never fetched (half the bytes host to device). host: the layer's HostTier."""
-    B, H, kw = top.shape
-    exact = host.key_scores(top.to(host.host), q)  # (B, H, k', R), or None: gather the keys, then multiply
-    if exact is None:
-        bh = torch.arange(B * H).view(B, H, 1).expand(B, H, kw).reshape(-1)
-        keys = host.key_rows(bh, top.to(host.host).reshape(-1))  # (B*H*k', D) on the host
-        exact = keys.view(B, H, kw, -1).float() @ q.to(host.host, torch.float32).transpose(-1, -2)
+    values: their keys are never fetched (half the bytes host to device). host: the layer's HostTier.
+    exact: the candidates' exact scores (B, H, k', R) on the host, when the caller has them already."""
+    kw = top.shape[2]
+    exact = exact_scores_at(host, q, top) if exact is None else exact  # (B, H, k', R) on the host
     ok = valid.to(host.host)
     if NATIVE_SELECT and native_select.usable(exact, exact.shape[3]):  # ties to the earliest of top, as below
         pick, pick_valid = native_select.combined_top(exact, ok, ks, min(max(ks), kw), mode)

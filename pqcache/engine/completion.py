@@ -1,0 +1,101 @@
+"""Completion: the attention of the middle tokens a step did not select, estimated from what the cache holds, and
+merged with the exact attention over the selection by log-sum-exp (issue 64).
+
+    softmax numerator and denominator of an unselected token t:  exp(s~_t) v~_t  and  exp(s~_t)
+    s~_t  the step's estimated score (engine/mass.py: the calibrated PQ score, or the exact one where the re-rank
+          computed it)
+    v~_t  the mean over the m sub-spaces j of mean_value[segment of t, j, code_j(t)]
+
+A value has no centroid of its own: PQ clusters the keys. What is well defined is the mean value of the tokens
+whose key fell in a cell: mean_value[g, j, c] = the mean of the values of the tokens of codebook segment g whose
+sub-space j code is c. With m = 1 that is the mean per code (a code tuple is one code); with m > 1 the mean per
+code tuple would be C^m rows (65536 at m=2, 8 bits: mostly one token or none), so each sub-space's conditional mean
+is kept and the m of them averaged: each is the best guess of v from one part of the key. ValueMeans keeps them,
+summed as tokens arrive (a new codebook sums them anew): float32 sums and counts, segments x m x C x (D + 1) x 4
+bytes per row and KV head of a layer (64 KiB at m=1, 8 bits, D=64), no bytes per token (the codes are the index's).
+
+When every middle token is selected, the output is the selection's own, bit for bit: nothing is merged.
+Shapes: B rows, H KV heads, S positions, R query rows per KV head, D head size, P = segments x m x C cells.
+"""
+
+from __future__ import annotations
+
+import torch
+
+VALUE_MEANS = "value_means"  # the view.state key of a layer's ValueMeans
+
+
+def token_cells(index, end: int, start: int = 0) -> torch.Tensor:
+    """The cell (segment, sub-space, code) of positions [start, end) in each sub-space -> (B, H, m, n) int64."""
+    starts = torch.tensor([s for s, _ in index.segments], device=index.device)
+    positions = torch.arange(start, end, device=index.device)
+    segment = torch.bucketize(positions, starts, right=True) - 1  # (n,)
+    m, C = index.codes.shape[2], index.C
+    sub = torch.arange(m, device=index.device).view(1, 1, m, 1)
+    return (segment.view(1, 1, 1, -1) * m + sub) * C + index.codes[..., start:end].long()
+
+
+class ValueMeans:
+    """The mean value of each cell of a layer's PQ index (see above), kept up to date as tokens arrive."""
+
+    def __init__(self, index, host):
+        B, H, D = host.B, host.H, host.D
+        self.segments = index.segments  # the codebooks summed under (install() replaces the list)
+        n_cells = len(index.segments) * index.codes.shape[2] * index.C
+        self.sums = torch.zeros((B, H, n_cells, D), dtype=torch.float32, device=index.device)
+        self.counts = torch.zeros((B, H, n_cells), dtype=torch.float32, device=index.device)
+        self.done = 0  # positions summed
+
+    def update(self, index, host) -> None:
+        """Sum the values of the positions stored since the last update into their cells."""
+        S = host.S
+        if S <= self.done:
+            return
+        cells = token_cells(index, S, self.done)  # (B, H, m, n)
+        real = host.valid[:, self.done : S].to(self.sums.device, torch.float32)[:, None, :]  # (B, 1, n)
+        values = host.values(self.done, S, device=self.sums.device, dtype=torch.float32) * real[..., None]
+        D = values.shape[-1]
+        for j in range(cells.shape[2]):
+            self.sums.scatter_add_(2, cells[:, :, j, :, None].expand(-1, -1, -1, D), values)
+            self.counts.scatter_add_(2, cells[:, :, j], real.expand_as(cells[:, :, j]))
+        self.done = S
+
+    def means(self) -> torch.Tensor:
+        """(B, H, P, D): each cell's mean value (0 for a cell no token fell in)."""
+        return self.sums / self.counts.clamp(min=1)[..., None]
+
+    @property
+    def nbytes(self) -> int:
+        return (self.sums.numel() + self.counts.numel()) * 4
+
+
+def value_means(state: dict, index, host) -> ValueMeans:
+    """The layer's ValueMeans, made anew when the index's codebooks changed, summed up to the stored tokens."""
+    kept = state.get(VALUE_MEANS)
+    if kept is None or kept.segments is not index.segments:
+        kept = state[VALUE_MEANS] = ValueMeans(index, host)
+    kept.update(index, host)
+    return kept
+
+
+def unselected_part(scores: torch.Tensor, unselected: torch.Tensor, cells: torch.Tensor, means: torch.Tensor):
+    """scores (B, H, S, R) the estimated scores, unselected (B, H, S) bool, cells (B, H, m, S) each token's cells,
+    means (B, H, P, D) -> the unselected tokens' log-sum-exp (B, H, R) (-inf where none) and their estimated output
+    (B, H, R, D): sum_t softmax_t(s~) v~_t over them (0 where none)."""
+    hidden = ~unselected[..., None]
+    lse = scores.masked_fill(hidden, float("-inf")).logsumexp(2)  # (B, H, R)
+    weights = (scores - lse[:, :, None, :]).exp().masked_fill(hidden, 0.0)  # (B, H, S, R); 0 where lse is -inf
+    m, R = cells.shape[2], scores.shape[3]
+    per_cell = torch.zeros((*means.shape[:3], R), dtype=weights.dtype, device=weights.device)  # (B, H, P, R)
+    for j in range(m):
+        per_cell.scatter_add_(2, cells[:, :, j, :, None].expand(-1, -1, -1, R), weights)
+    out = per_cell.transpose(-1, -2) @ means / m  # (B, H, R, D)
+    return lse, out
+
+
+def merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:
+    """Two parts of one softmax: out (B, H, R, D) normalised over its tokens whose log-sum-exp is lse (B, H, R),
+    and another such part -> the attention over both. Rows where the other part is empty keep out as it is."""
+    total = torch.logaddexp(lse, part_lse)
+    merged = (lse - total).exp()[..., None] * out.float() + (part_lse - total).exp()[..., None] * part_out
+    return torch.where(torch.isfinite(part_lse)[..., None], merged.to(out.dtype), out)

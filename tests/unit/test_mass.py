@@ -1,0 +1,236 @@
+"""Issue 64's first slice: the attention mass estimated from every token's PQ score, a budget in mass, and the
+unselected tokens' attention completed from their codes; exact wherever the selection covers every token."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from pqcache import PQCache, PQCacheConfig
+from pqcache.engine import completion
+from pqcache.engine.errors import PQCacheConfigError
+from pqcache.engine.full_attention import full_attention_cache
+from pqcache.engine.layer import onerow
+from pqcache.engine.layer.standalone import filled_layer
+from pqcache.engine.mass import MASS_ESTIMATE, calibration_offset, mass_cut
+from pqcache.engine.methods import pqcache as pq_method
+from tests.tiny import greedy_generate, tiny_model
+
+SMALL = dict(n_init=4, n_local=8, kmeans_iters=5, bits=4)
+
+
+def _ids(n: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(1, 96, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def _general_path(monkeypatch):
+    """Every step through PQLayer.attend's general step (the path completion and the budget in mass take)."""
+    monkeypatch.setattr(onerow, "ready", lambda layer, query: False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("settings", [dict(completion=True), dict(mass=0.9), dict(mass=1.0, completion=True)])
+def test_a_budget_covering_every_token_is_full_attention(arch, settings, monkeypatch):
+    """Completion adds nothing when nothing is unselected, and a budget in mass keeps every pick at a target of 1 or
+    a floor past the budget: full attention's tokens, and bit for bit the plain step's scores."""
+    model, ids = tiny_model(arch), _ids(120)
+    _general_path(monkeypatch)
+    with torch.no_grad():
+        ref_seq, ref_scores = greedy_generate(model, ids, full_attention_cache(model))
+        plain_seq, plain_scores = greedy_generate(model, ids, PQCache(model, PQCacheConfig(token_budget=1.0, **SMALL)))
+        config = PQCacheConfig(token_budget=1.0, mass_floor_tokens=10_000, **SMALL, **settings)
+        seq, scores = greedy_generate(model, ids, PQCache(model, config))
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(scores, ref_scores, rtol=1e-5, atol=1e-5)
+    assert torch.equal(scores, plain_scores) and torch.equal(seq, plain_seq)
+
+
+def test_completion_brings_a_small_budget_closer_to_full_attention():
+    """At 1/10 of the tokens the completed logits are nearer full attention's than the selection's alone."""
+    model, ids = tiny_model("llama"), _ids(300)
+    with torch.no_grad():
+        _, ref = greedy_generate(model, ids, full_attention_cache(model))
+        _, plain = greedy_generate(model, ids, PQCache(model, PQCacheConfig(token_budget=0.1, **SMALL)))
+        _, done = greedy_generate(model, ids, PQCache(model, PQCacheConfig(token_budget=0.1, completion=True, **SMALL)))
+    assert (done - ref).nan_to_num(0, 0, 0).abs().max() < (plain - ref).nan_to_num(0, 0, 0).abs().max()
+
+
+def _reference_completion(scores, values, codes, split, picked, unselected, est):
+    """The completed attention written out: scores (H, S, R) exact, values (H, S, D), codes (H, m, S) of two codebook
+    segments ([0, split), [split, S)), picked and unselected (H, S) bool, est (H, S, R) estimated scores."""
+    H, S, R = scores.shape
+    m = codes.shape[1]
+    out = torch.zeros(H, R, values.shape[-1])
+    for h in range(H):
+        guess = torch.zeros(S, values.shape[-1])
+        for t in range(S):
+            segment = range(0, split) if t < split else range(split, S)
+            for j in range(m):
+                same = [u for u in segment if codes[h, j, u] == codes[h, j, t]]
+                guess[t] += values[h, same].mean(0) / m
+        for r in range(R):
+            weights = torch.cat([scores[h, picked[h], r].exp(), est[h, unselected[h], r].exp()])
+            rows = torch.cat([values[h, picked[h]], guess[unselected[h]]])
+            out[h, r] = (weights[:, None] * rows).sum(0) / weights.sum()
+    return out
+
+
+def test_completion_equals_a_torch_reference_on_random_data():
+    g = torch.Generator().manual_seed(0)
+    H, S, R, D, m, C, split = 2, 40, 3, 5, 2, 4, 25
+    scores, est = torch.randn(H, S, R, generator=g), torch.randn(H, S, R, generator=g)
+    values = torch.randn(H, S, D, generator=g)
+    codes = torch.randint(0, C, (1, H, m, S), generator=g, dtype=torch.uint8)
+    picked = torch.rand(H, S, generator=g) < 0.3
+    unselected = ~picked & (torch.rand(H, S, generator=g) < 0.8)
+    index = SimpleNamespace(segments=[(0, None), (split, None)], codes=codes, C=C, device=torch.device("cpu"))
+    host = SimpleNamespace(
+        B=1,
+        H=H,
+        D=D,
+        S=S,
+        valid=torch.ones(1, S, dtype=torch.bool),
+        values=lambda a, b, device, dtype: values[None, :, a:b],
+    )
+    means = completion.value_means({}, index, host).means()
+    lse, part = completion.unselected_part(est[None], unselected[None], completion.token_cells(index, S), means)
+    masked = scores.masked_fill(~picked[..., None], float("-inf")).transpose(1, 2)  # (H, R, S)
+    exact_out = masked.softmax(-1) @ values  # (H, R, D)
+    got = completion.merge(exact_out[None], masked.logsumexp(-1)[None], part, lse)[0]
+    want = _reference_completion(scores, values, codes[0], split, picked, unselected, est)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_value_means_follow_appended_tokens_and_new_codebooks():
+    """Sums kept as tokens arrive equal sums made at once; a new codebook (install replaces the list) starts anew."""
+    g = torch.Generator().manual_seed(1)
+    values = torch.randn(1, 1, 30, 4, generator=g)
+    codes = torch.randint(0, 4, (1, 1, 1, 30), generator=g, dtype=torch.uint8)
+    index = SimpleNamespace(segments=[(0, None)], codes=codes, C=4, device=torch.device("cpu"))
+
+    def host(S):
+        return SimpleNamespace(
+            B=1,
+            H=1,
+            D=4,
+            S=S,
+            valid=torch.ones(1, S, dtype=torch.bool),
+            values=lambda a, b, device, dtype: values[..., a:b, :],
+        )
+
+    state = {}
+    completion.value_means(state, index, host(20))
+    grown = completion.value_means(state, index, host(30))
+    torch.testing.assert_close(grown.means(), completion.value_means({}, index, host(30)).means())
+    index.segments = [(0, None)]  # a rebuild's new list
+    assert completion.value_means(state, index, host(30)) is not grown
+
+
+def _peaked_layer(config: PQCacheConfig, n_peaks: int = 3, seed: int = 4):
+    """One KV head of 400 keys, small noise but n_peaks keys along the query: (layer, q (1, 1, 1, D), peaks)."""
+    g = torch.Generator().manual_seed(seed)
+    D = 16
+    keys = torch.randn(1, 1, 400, D, generator=g) * 0.1
+    q = torch.randn(1, 1, 1, D, generator=g)
+    peaks = [60, 170, 290][:n_peaks]
+    for p in peaks:
+        keys[0, 0, p] = 3 * q[0, 0, 0]
+    return filled_layer(keys, torch.randn(keys.shape, generator=g), config), q, peaks
+
+
+def _picked(layer, q) -> set[int]:
+    top, valid = layer.select(q, 1.0)
+    return set(top[0, 0][valid[0, 0]].tolist())
+
+
+def test_the_mass_estimate_is_the_exact_share_when_the_scores_are_exact(monkeypatch):
+    """With PQ scores replaced by the exact ones, the estimated share is the softmax share of the attended tokens."""
+    layer, q, _ = _peaked_layer(PQCacheConfig(token_budget=40, completion=True, **SMALL))
+    monkeypatch.setattr(pq_method, "approx_scores", lambda index, q: layer.view().keys() @ q.float().transpose(-1, -2))
+    top, valid = layer.select(q, 1.0)
+    estimate = layer.method_state[MASS_ESTIMATE]
+    probs = (q[0, 0] @ layer.view().keys()[0, 0].T).softmax(-1)[0]  # (S,) exact attention over every token
+    attended = ~layer.candidates()[0]
+    attended[top[0, 0][valid[0, 0]]] = True
+    torch.testing.assert_close(estimate.share[0, 0], probs[attended].sum(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(estimate.mass[0, 0], probs, rtol=1e-5, atol=1e-7)
+
+
+def test_a_mass_target_of_one_selects_every_candidate():
+    layer, q, _ = _peaked_layer(PQCacheConfig(token_budget=1.0, mass=1.0, mass_floor_tokens=0, **SMALL))
+    assert _picked(layer, q) == set(layer.candidates()[0].nonzero()[:, 0].tolist())
+
+
+def test_a_low_mass_target_selects_fewer_tokens_on_a_peaked_head():
+    """Three keys hold most of the attention: a target of 0.8 is reached with them and a few more, where the fixed
+    budget fetches its whole top-k; the peaks are among the picks either way."""
+    fixed, q, peaks = _peaked_layer(PQCacheConfig(token_budget=80, **SMALL))
+    by_mass, _, _ = _peaked_layer(PQCacheConfig(token_budget=80, mass=0.8, mass_floor_tokens=2, **SMALL))
+    all_k, few = _picked(fixed, q), _picked(by_mass, q)
+    assert set(peaks) <= few and set(peaks) <= all_k
+    assert len(few) < len(all_k) // 2
+    estimate = by_mass.method_state[MASS_ESTIMATE]
+    assert float(estimate.share[0, 0]) >= 0.8 and int(estimate.tokens[0, 0]) == len(few) + 4 + 8
+
+
+def test_the_calibration_offset_undoes_a_shift_of_the_known_scores():
+    g = torch.Generator().manual_seed(2)
+    exact = torch.randn(1, 2, 30, 3, generator=g)
+    known = torch.rand(1, 2, 30, generator=g) < 0.5
+    known[0, 1] = False  # a head with no token known: no shift
+    approx = (exact + 0.7).masked_fill(~known[..., None], 9.0)  # the tokens not known must not count
+    offset = calibration_offset(exact, approx, known)
+    torch.testing.assert_close(offset[0, 0], torch.full((1, 3), -0.7))
+    assert torch.equal(offset[0, 1], torch.zeros(1, 3))
+
+
+def test_mass_cut_keeps_the_fewest_picks_that_reach_the_target_and_the_floor():
+    shares = torch.tensor([[[0.05, 0.4, 0.1, 0.3, 0.0]]])
+    valid = torch.tensor([[[True, True, True, True, False]]])
+    base = torch.tensor([[0.1]])
+    kept = mass_cut(shares, valid, base, target=0.75, floor=0)  # 0.1 + 0.4 + 0.3 = 0.8: two picks
+    assert kept.tolist() == [[[False, True, False, True, False]]]
+    kept = mass_cut(shares, valid, base, target=0.75, floor=3)
+    assert kept.tolist() == [[[False, True, True, True, False]]]
+    assert torch.equal(mass_cut(shares, valid, base, target=1.0, floor=0), valid)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"mass": 0}, "mass must be None or a share of the attention in \\(0, 1\\], got 0"),
+        ({"mass": 1.5}, "mass must be None or a share"),
+        ({"mass": True}, "mass must be None or a share"),
+        ({"mass_floor_tokens": -1}, "mass_floor_tokens must be an int >= 0"),
+        ({"completion": "yes"}, "completion must be True or False, got 'yes'"),
+    ],
+)
+def test_bad_mass_and_completion_settings_are_refused(kwargs, match):
+    with pytest.raises(PQCacheConfigError, match=match):
+        PQCacheConfig(**kwargs)
+
+
+@pytest.mark.parametrize("context", [1500, 3000, 6000])
+def test_a_small_budget_retrieves_instead_of_going_to_the_sinks(context):
+    """At 1/100 of 1.5K-6K tokens (15-60) the sinks take at most a quarter and the top-k gets a part."""
+    config = PQCacheConfig(token_budget=0.01)
+    n_init, n_topk, n_local = config.split(context)
+    budget = config.budget_tokens(context)
+    assert n_init <= budget // 4 and n_topk >= budget // 4 and n_init + n_topk + n_local == budget
+
+
+def test_budgets_of_four_times_the_sinks_split_as_before():
+    for context in (1280, 4000, 32_000):
+        n_init, n_topk, n_local = PQCacheConfig(token_budget=0.1).split(context)
+        assert n_init == PQCacheConfig().n_init and n_topk + n_local == context // 10 - n_init
+
+
+def test_the_command_line_sets_mass_and_completion():
+    from pqcache.cli.args import build_parser
+    from pqcache.cli.common import config_of
+
+    base = ["generate", "--context-file", "f", "--question", "q"]
+    config = config_of(build_parser().parse_args([*base, "--mass", "0.95", "--completion"]))
+    assert config.mass == 0.95 and config.completion is True
+    config = config_of(build_parser().parse_args(base))
+    assert config.mass is None and config.completion is False
