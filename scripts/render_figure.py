@@ -1,5 +1,5 @@
-"""Render a viz figure to PNG with Debian's chromium (no kaleido): python scripts/render_figure.py recall
-ROWS.json OUT.png. The rows are the `--json` output of the command that made them."""
+"""Render a viz figure to PNG with Debian's chromium (no kaleido): python scripts/render_figure.py recall|fidelity
+ROWS.json OUT.png. The rows are the `--json` output of the command that made them (`eval fidelity --out`'s too)."""
 
 import json
 import sys
@@ -13,7 +13,7 @@ from viz import studies  # noqa: E402
 def main():
     kind, rows_path, out = sys.argv[1], sys.argv[2], sys.argv[3]
     rows = json.loads(Path(rows_path).read_text())["rows"]
-    fig = {"recall": studies.recall_grid}[kind](rows)
+    fig = {"recall": studies.recall_grid, "fidelity": studies.fidelity_curve}[kind](rows)
     fig.update_layout(width=900, height=450)
     from playwright.sync_api import sync_playwright
 

@@ -6,14 +6,11 @@ asks it and says what it holds."""
 
 from __future__ import annotations
 
-import time
-
 import gradio as gr
 
 from pqcache import Cancelled
 from pqcache.serving.documents import read_document
 from studio.common import describe, user_of
-from studio.qa_load import PROGRESS_EVERY_S, WAIT_S
 from studio.status import document_name
 from studio.threadwork import ThreadWork
 
@@ -72,13 +69,9 @@ class ConversationHandlers:
                     text = read_document(file, pasted, encoding=None if encoding in (None, "", "utf-8") else encoding)
                     return self.pool.add_document(user, name, text, method, entry.stop, progress=progress)
 
-                shown, sent = None, 0.0
                 with ThreadWork(work, entry.stop, "pqcache-add") as job:
-                    for _ in job.posts(WAIT_S):
-                        line, now = self.status.line(user), time.monotonic()
-                        if line != shown and now - sent >= PROGRESS_EVERY_S:
-                            shown, sent = line, now
-                            yield line, gr.skip()
+                    for line in self.status.lines_while(user, job):
+                        yield line, gr.skip()
         finally:  # a bad file, a Stop, a conversation past the context: said, the conversation kept
             error = None if job is None else job.error
             stopped = isinstance(error, Cancelled) or error is None and (job is None or job.value is None)

@@ -15,11 +15,11 @@ from studio.answering import stream_answer
 from studio.common import describe, sentence, user_of
 from studio.conversing import ConversationHandlers
 from studio.panels import PanelFeed
-from studio.qa_load import WAIT_S, LoadHandlers
+from studio.qa_load import LoadHandlers
 from studio.sources import choices as source_choices
 from studio.sources import document_view
 from studio.state import Studio
-from studio.status import StatusBook
+from studio.status import WAIT_S, StatusBook
 from studio.your_documents import DocumentListHandlers
 
 NO_DOCUMENT = "Load a document first."

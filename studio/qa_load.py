@@ -4,7 +4,6 @@ worker thread while the status line shows its progress; Stop ends it at the next
 from __future__ import annotations
 
 import os
-import time
 
 import gradio as gr
 
@@ -17,8 +16,6 @@ from studio.threadwork import ThreadWork
 
 SAMPLE = "passkey_1k.txt"  # the document *Try a sample* loads (assets/)
 SAMPLE_NAME = f"sample {SAMPLE}"  # its name on the status line and in Your documents
-WAIT_S = 0.5  # how often a load's progress (and a waiting question) is looked at
-PROGRESS_EVERY_S = 1.0  # a load's progress is sent to the page at most this often
 
 
 class LoadHandlers:
@@ -78,15 +75,9 @@ class LoadHandlers:
                     text = read(settings.text_encoding)
                     return self.pool.load(user, name, text, settings, progress, entry.stop)
 
-                shown, sent = None, 0.0
                 with ThreadWork(work, entry.stop, "pqcache-load") as job:
-                    for _ in job.posts(WAIT_S):
-                        line, now = self.status.line(user), time.monotonic()
-                        # at most one update a second: each costs the server's event loop (and the GIL the
-                        # prefill's operators wait for) a few ms per output, skipped ones included
-                        if line != shown and now - sent >= PROGRESS_EVERY_S:
-                            shown, sent = line, now
-                            yield line, *skip
+                    for line in self.status.lines_while(user, job):
+                        yield line, *skip
         finally:  # the worker stored the new document, or gave its reservation back
             error = None if job is None else job.error
             stopped = isinstance(error, Cancelled) or error is None and (job is None or job.value is None)

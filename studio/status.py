@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
 
 from pqcache import PQCacheError
@@ -86,6 +87,10 @@ def loaded_line(session) -> str:
     )
 
 
+WAIT_S = 0.5  # how often a load's progress (and a waiting question) is looked at
+PROGRESS_EVERY_S = 1.0  # a load's progress is sent to the page at most this often
+
+
 class StatusBook:
     """Per user: the load in progress and the last load's message; the active document is the pool's."""
 
@@ -153,3 +158,14 @@ class StatusBook:
         elif load is None and said and not said.startswith("Stopped"):
             parts.append("No document is loaded.")
         return "\n\n".join(parts)
+
+    def lines_while(self, user: str, job):
+        """The user's status line while `job` (a ThreadWork: a load, a document added) runs, each time it changed,
+        at most one a second: each update costs the server's event loop (and the GIL the prefill's operators wait
+        for) a few ms per output, skipped ones included."""
+        shown, sent = None, 0.0
+        for _ in job.posts(WAIT_S):
+            line, now = self.line(user), time.monotonic()
+            if line != shown and now - sent >= PROGRESS_EVERY_S:
+                shown, sent = line, now
+                yield line

@@ -1,5 +1,6 @@
-"""Plotly figures of the studies run apart from an answer: the cost model's memory curves (the Cost model tab) and
-the recall grid of `eval recall` (scripts/render_figure.py). Plain rows in, a go.Figure out (viz/base.py)."""
+"""Plotly figures of the studies run apart from an answer: the cost model's memory curves (the Cost model tab), the
+recall grid of `eval recall` and the fidelity curve of `eval fidelity` (scripts/render_figure.py). Plain rows in, a
+go.Figure out (viz/base.py)."""
 
 from __future__ import annotations
 
@@ -78,3 +79,36 @@ def recall_grid(rows: list[dict]) -> go.Figure:
     )
     fig.update_yaxes(title="top-k recall (mean over layers)", range=[0, 1.05])
     return layout(fig, "Top-k recall on the bundled model's keys")
+
+
+def fidelity_curve(rows: list[dict]) -> go.Figure:
+    """The attention output's relative error against full attention's, over the mean tokens attended per KV head
+    (log axis), one line per setting through its budgets (`eval fidelity` rows: per layer, averaged here over the
+    layers; its summary rows draw the same); rows that failed or lack a measure are left out."""
+    title = "Attention output error vs tokens attended"
+    points: dict[str, dict] = {}  # method -> budget -> (tokens, errors) over the layers
+    for r in rows:
+        if r.get("error") is None and r.get("rel_error") is not None and r.get("tokens"):
+            cell = points.setdefault(r["method"], {}).setdefault(r["budget"], ([], []))
+            cell[0].append(r["tokens"])
+            cell[1].append(r["rel_error"])
+    if not points:
+        return empty(title, "no rows")
+    fig = go.Figure()
+    for method, cells in points.items():
+        line = sorted(
+            (sum(t) / len(t), sum(e) / len(e), budget) for budget, (t, e) in cells.items()
+        )  # by tokens, so the line runs left to right
+        fig.add_trace(
+            go.Scatter(
+                x=[p[0] for p in line],
+                y=[p[1] for p in line],
+                mode="lines+markers",
+                name=method,
+                text=["every token" if p[2] is None else f"budget {p[2]:g}" for p in line],
+                hovertemplate="%{text}: %{x:.0f} tokens, error %{y:.3f}<extra>" + method + "</extra>",
+            )
+        )
+    fig.update_xaxes(title="tokens attended per KV head (mean over layers and steps)", type="log")
+    fig.update_yaxes(title="||o - o_full|| / ||o_full|| (mean over layers)", rangemode="tozero")
+    return layout(fig, title, height=360)

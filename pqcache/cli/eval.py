@@ -17,8 +17,10 @@ def cmd_eval(args) -> int:
     from pqcache.serving.loading import load_model
 
     if args.mode is None and args.cases is None:
-        raise ValueError("give --cases FILE.jsonl (or `eval recall`)")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+        raise ValueError("give --cases FILE.jsonl (or `eval recall`, `eval fidelity`)")
+    if args.mode == "fidelity":
+        return _fidelity(args)
+    methods = [m.strip() for m in (args.methods or "full,pqcache").split(",") if m.strip()]
     unknown = [m for m in methods if m.split("/")[0] not in METHODS]
     if unknown:
         raise ValueError(f"unknown method(s) {', '.join(unknown)}; choose from {', '.join(METHODS)}")
@@ -50,7 +52,7 @@ def cmd_eval(args) -> int:
             bits_list=args.bits_list,
             reranks=args.reranks,
             opqs=args.opq_list,
-            budgets=args.budgets,
+            budgets=args.budgets or (0.1,),
         )
         print(json.dumps({"rows": rows}) if args.json else table(rows))
         return 0
@@ -98,6 +100,40 @@ def cmd_eval(args) -> int:
         print(f"{skipped} case(s) skipped: {evaluate.SKIPPED} (--too-long cut cuts their middle instead)")
     if failed:
         print(f"{failed} case(s) failed" + (f": their rows in {args.out} say why" if args.out else ""))
+    return 0
+
+
+def _fidelity(args) -> int:
+    """`eval fidelity`: a row per (setting, budget), averaged over the layers, printed (--json: the layers' rows and
+    that summary as one object); --out: the same object written to a file (the figure's input: viz.studies)."""
+    from pqcache.eval.datasets import essays_text
+    from pqcache.eval.fidelity import BUDGETS, SETTINGS, fidelity_study, summarize
+    from pqcache.serving.documents import read_document
+    from pqcache.serving.loading import load_model
+
+    settings = [m.strip() for m in (args.methods or ",".join(SETTINGS)).split(",") if m.strip()]
+    unknown = [m for m in settings if m not in SETTINGS]
+    if unknown:
+        raise ValueError(f"unknown fidelity setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
+    if args.n_queries < 1:
+        raise ValueError(f"--n-queries must be >= 1, got {args.n_queries}")
+    text = read_document(str(args.context_file)) if args.context_file is not None else essays_text()
+    config = config_of(args)  # m, bits, rerank, sinks, window; each setting sets its budget, mass and completion
+    model, tok = load_model(
+        args.model, device=args.device, dtype=args.dtype, progress=stderr, decode_weights=args.decode_weights
+    )
+    text = tok.decode(tok(text).input_ids[1 : args.context_tokens])
+    rows = fidelity_study(model, tok, text, args.budgets or BUDGETS, settings, args.n_queries, config=config)
+    result = {"rows": rows, "summary": summarize(rows)}
+    if args.out:
+        args.out.write_text(json.dumps(result), encoding="utf-8")
+    failed = sum("error" in r for r in rows)
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(table(result["summary"]) if rows else "no full-attention layer")
+    if failed:
+        print(f"{failed} row(s) failed" + (f": their error in {args.out}" if args.out else ""))
     return 0
 
 

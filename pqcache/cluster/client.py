@@ -187,9 +187,8 @@ class ClusterDocuments:
         """Prefill the document on the user's replica; returns its RemoteDocument. A Stop reaches the replica
         through the user's stop event; a replica that dies meanwhile is reported as an error."""
         replica = self._place(user)
-        forwarded = False
         try:
-            for part in replica.stream("load", user, name, text, settings):
+            for part in self._relayed(user, replica.stream("load", user, name, text, settings), progress, stop):
                 if "incarnation" in part:
                     with self.lock:
                         old = self.homes.get(user)
@@ -198,13 +197,6 @@ class ClusterDocuments:
                         self.homes[user] = Home(replica, part["incarnation"])
                         self.lost.pop(user, None)
                         self.untold.discard(user)
-                if stop is not None and stop.is_set() and not forwarded:  # pressed before the replica was known
-                    forwarded = True
-                    self._forward(user, "stop")
-                if "progress" in part and progress is not None:
-                    progress(*part["progress"])
-                if "error" in part:
-                    raise error_of(part)
                 if "view" in part:
                     home = self.homes[user]
                     home.document = RemoteDocument(part["view"], self._asker(user, home))
@@ -231,16 +223,8 @@ class ClusterDocuments:
     def teach(self, user: str, case, methods: list[str], budget, progress=None, stop=None) -> dict:
         """The Teaching tab's run on the user's replica (where their document is, else the least busy one)."""
         replica = self._place(user)
-        forwarded = False
         try:
-            for part in replica.stream("teach", user, case, methods, budget):
-                if stop is not None and stop.is_set() and not forwarded:
-                    forwarded = True
-                    self._forward(user, "stop")
-                if "progress" in part and progress is not None:
-                    progress(*part["progress"])
-                if "error" in part:
-                    raise error_of(part)
+            for part in self._relayed(user, replica.stream("teach", user, case, methods, budget), progress, stop):
                 if "lesson" in part:
                     return part["lesson"]
         except ReplicaDown:
@@ -300,18 +284,25 @@ class ClusterDocuments:
         parts to progress(fraction, words); a set `stop` (the caller's own event) forwarded to the replica."""
         if self.session(user) is None:
             raise NoDocumentError("load a document first")
+        for part in self._relayed(user, self._stream(user, self.homes[user], op, *args), progress, stop):
+            if result in part:
+                return part[result]
+        raise ReplicaError(f"the worker ended its {op} without a result")
+
+    def _relayed(self, user: str, parts, progress=None, stop=None):
+        """A replica's stream as the caller reads it: an error part raised as the worker's error, progress parts to
+        progress(fraction, words), and a set `stop` (the caller's own event) forwarded to the user's replica once,
+        after the caller has read a part (a load's first part tells which replica that is)."""
         forwarded = False
-        for part in self._stream(user, self.homes[user], op, *args):
-            if stop is not None and stop.is_set() and not forwarded:
-                forwarded = True
-                self._forward(user, "stop")
+        for part in parts:
             if "error" in part:
                 raise error_of(part)
             if "progress" in part and progress is not None:
                 progress(*part["progress"])
-            if result in part:
-                return part[result]
-        raise ReplicaError(f"the worker ended its {op} without a result")
+            yield part
+            if stop is not None and stop.is_set() and not forwarded:
+                forwarded = True
+                self._forward(user, "stop")
 
     def fork_conversation(self, user: str, conversation: str = CHAT, into: str = "fork") -> dict:
         return self._conversation_call(user, "fork_conversation", conversation, into)
