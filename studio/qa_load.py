@@ -35,19 +35,37 @@ class LoadHandlers:
         capacity,
         encoding,
         too_long,
+        mass,
+        completion,
         request: gr.Request,
     ):
         """Prefill the document once (an attached file, else the pasted text); later questions reuse it. Yields
         the status line (with the load's progress), the layer choices and the panels."""
-        settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long)
+        settings = LoadSettings(
+            method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, mass, completion
+        )
         name = document_name(file, pasted)
         yield from self._load(user_of(request), name, lambda enc: read_document(file, pasted, encoding=enc), settings)
 
     def load_sample(
-        self, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, request: gr.Request
+        self,
+        method,
+        m,
+        bits,
+        budget,
+        n_init,
+        n_local,
+        policy,
+        capacity,
+        encoding,
+        too_long,
+        mass,
+        completion,
+        request: gr.Request,
     ):
         """The bundled sample document, with the load form's settings."""
-        settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, "utf-8", too_long)
+        form = (method, m, bits, budget, n_init, n_local, policy, capacity, "utf-8", too_long, mass, completion)
+        settings = LoadSettings(*form)
         path = os.path.join(ASSETS, SAMPLE)
         yield from self._load(user_of(request), SAMPLE_NAME, lambda enc: read_document(path), settings)
 

@@ -107,6 +107,10 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
                         ENCODINGS, value=d.encoding, label="text encoding of the file", allow_custom_value=True
                     )
                     too_long = gr.Radio(TOO_LONG, value=d.too_long, label="a document longer than the model reads")
+                with gr.Row():  # the selection sized by attention mass, and the rest estimated (engine/mass.py)
+                    held = f"{LABELS['mass']} (0: the budget's top-k; 0.95: the fewest picks holding 95%)"
+                    mass = gr.Number(d.mass, label=held)
+                    completion = gr.Checkbox(d.completion, label=f"{LABELS['completion']} (from their PQ codes)")
             with gr.Row():
                 load = gr.Button("Load document", variant="secondary", elem_id="load")
                 unload = gr.Button("Unload", elem_id="unload")
@@ -164,7 +168,7 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
             p_timeline = gr.Plot(empty[3], label="timeline", show_label=False, elem_id="panel-timeline")
     plots = [p_power, p_recall, p_hits, p_timeline, p_memory]
     model_work = tab.studio.model_work
-    settings = [method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long]
+    settings = [method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, mass, completion]
     shown = [status, layer, *plots]
     one_progress = dict(show_progress="minimal", show_progress_on=[status])  # the status line is the progress
     for button in (load, sample):  # at once, in the browser: the status line says the load has begun

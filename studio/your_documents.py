@@ -78,9 +78,23 @@ class DocumentListHandlers:
         return choices(listing)
 
     def reopen(
-        self, key, listing, method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long,
+        self,
+        key,
+        listing,
+        method,
+        m,
+        bits,
+        budget,
+        n_init,
+        n_local,
+        policy,
+        capacity,
+        encoding,
+        too_long,
+        mass,
+        completion,
         request: gr.Request,
-    ):  # fmt: skip
+    ):
         """Load a listed document again, from its text kept in the store (its cache read back, no prefill, when the
         form's settings shape it as they did). Yields what a load yields."""
         from pqcache.serving.store import StoreError
@@ -98,7 +112,8 @@ class DocumentListHandlers:
             gr.Warning(f"{entry['name']}: {exc}; load it from its file again.")
             yield self.status.line(user), *skip
             return
-        settings = LoadSettings(method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long)
+        form = (method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, mass, completion)
+        settings = LoadSettings(*form)
         yield from self._load(user, entry["name"], lambda enc: text, settings)
 
     def resumed(self, key, method, request: gr.Request):

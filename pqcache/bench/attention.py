@@ -1,18 +1,19 @@
 """One-layer benchmarks that print ratios measured side by side in one run (absolute times here are noisy): a
-decode step's attention, dense SDPA against the PQCache step, and its growth with the context; and the median
-timing the kernel benchmark shares."""
+decode step's attention, dense SDPA against the PQCache step (and the same step with completion), and its growth
+with the context; and the median timing the kernel benchmark shares."""
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from pqcache.engine.config import PQCacheConfig
-from pqcache.engine.layer.standalone import filled_layer
-from pqcache.engine.methods.pqcache import first_stage_counts, rerank_exact
+from pqcache.engine.layer.standalone import InlineExecutor, filled_layer
+from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_counts, rerank_exact
 
 
 def median_ms(fn, repeats: int, sync=None) -> float:
@@ -69,9 +70,16 @@ def bench_attention(
         def dense():
             F.scaled_dot_product_attention(q, keys, values, scale=scaling, enable_gqa=True)
 
-        def pq_step():
-            layer.update(k_new, v_new)
-            layer.attend(q, valid, scaling)
+        # the same step with completion (the unselected tokens estimated from their codes): a fork of the layer,
+        # its codes and codebooks shared, so both steps read the same index
+        completed = layer.fork(PQCacheMethod(), InlineExecutor(), replace(cfg, completion=True))
+
+        def pq_step(pq_layer=layer):
+            pq_layer.update(k_new, v_new)
+            pq_layer.attend(q, valid, scaling)
+
+        def completed_step():
+            pq_step(completed)
 
         q_rows = q.reshape(1, n_kv, n_q // n_kv, head_dim) * scaling
         view = layer.view()
@@ -85,13 +93,14 @@ def bench_attention(
         def rerank_stage():
             rerank_exact(view.host, q_rows, *qs, ks, cfg.gqa_combine)
 
-        for fn in (dense, pq_step, search, rerank_stage):  # warm-up
+        steps = {"dense": dense, "pq": pq_step, "search": search, "rerank": rerank_stage, "completed": completed_step}
+        for fn in steps.values():  # warm-up
             fn()
-        times = {"dense": [], "pq": [], "search": [], "rerank": []}
-        for _ in range(repeats):  # interleaved, so machine noise hits both alike
-            for name, fn in (("dense", dense), ("pq", pq_step), ("search", search), ("rerank", rerank_stage)):
+        times = {name: [] for name in steps}
+        for _ in range(repeats):  # interleaved, so machine noise hits them all alike
+            for name, fn in steps.items():
                 times[name].append(median_ms(fn, 1, sync))
-        d, p, sr, rr = (statistics.median(times[x]) for x in ("dense", "pq", "search", "rerank"))
+        d, p, sr, rr, c = (statistics.median(times[x]) for x in steps)
         rows.append(
             {
                 "seq_len": s,
@@ -103,6 +112,8 @@ def bench_attention(
                 "speedup": round(d / p, 2),
                 "search_share": round(min(sr / p, 1.0), 3),
                 "rerank_share": round(min(rr / p, 1.0), 3),
+                "completion_ms": round(c, 3),
+                "completion_vs_pqcache": round(c / p, 2),
             }
         )
     return rows

@@ -69,13 +69,17 @@ class PQCacheConfig:
     # budget's top-k is the ceiling, `mass_floor_tokens` picks the floor (an estimate from noisy scores can be
     # overconfident). 1.0 keeps every pick. None: the fixed top-k.
     mass: float | None = setting(
-        None, "attention mass to hold, in (0, 1]: the fewest top-k picks reaching it (the token budget is the ceiling)"
+        None,
+        "attention mass to hold, in (0, 1]: the fewest top-k picks reaching it (the token budget is the ceiling)",
+        "attention share to hold",
     )
     mass_floor_tokens: int = 16
     # Completion (engine/completion.py): the unselected middle tokens' share of the softmax estimated from their
     # PQ scores and a mean value per code, merged with the exact attention over the selection by log-sum-exp.
     completion: bool = setting(
-        False, "estimate the unselected tokens' attention from their PQ codes and add it to the selection's"
+        False,
+        "estimate the unselected tokens' attention from their PQ codes and add it to the selection's",
+        "estimate the tokens not attended",
     )
     # OPQ: learn an orthogonal rotation of each (row, KV head)'s keys before PQ (faiss OPQMatrix);
     # queries are rotated too, on the host where the rotations are kept.

@@ -72,6 +72,8 @@ class LoadSettings:
     capacity: object = DEVICE_BLOCK_CACHE_TOKENS
     encoding: str | None = "utf-8"  # of an uploaded text file
     too_long: str = "refuse"  # or "cut the middle"
+    mass: object = 0  # a budget in attention mass, in (0, 1]; 0: the fixed top-k
+    completion: bool = False  # the unselected tokens' attention estimated from their codes
 
     def values(self) -> list:
         """The form's values in the order `/load_document` takes them."""
@@ -119,6 +121,9 @@ class LoadSettings:
             raise PQCacheConfigError(f"{LABELS['cache_policy']} must be {' or '.join(POLICIES)}, got {self.policy!r}")
         if self.too_long not in TOO_LONG:
             raise PQCacheConfigError(f"for a document longer than the model reads choose {' or '.join(TOO_LONG)}")
+        mass = number(self.mass, LABELS["mass"])
+        if not 0 <= mass <= 1:
+            raise PQCacheConfigError(f"{LABELS['mass']} must be 0 (a fixed top-k) or a share up to 1, got {mass:g}")
         if budget > 1 and n_local and n_init + n_local > budget:
             sinks = f"{n_init} sink token" + ("s" if n_init != 1 else "")
             raise PQCacheConfigError(
@@ -137,6 +142,8 @@ class LoadSettings:
                 block_cache_tokens=capacity // block_size * block_size,
                 pq_timeout_s=pq_timeout_s,
                 kv_dtype=kv_dtype,
+                mass=mass or None,
+                completion=bool(self.completion),
             )
         except PQCacheConfigError as exc:  # none expected past the checks above; if one is, in the form's words
             raise PQCacheConfigError(in_form_words(str(exc))) from None

@@ -47,6 +47,8 @@ VALID = dict(
     policy=st.sampled_from(["lfu", "lru"]),
     capacity=st.sampled_from([0, 64, 128, 256, 4096, 100]),
     too_long=st.sampled_from(["refuse", "cut the middle"]),
+    mass=st.sampled_from([0, 0, 0, 0.5, 0.95, 1.0]),
+    completion=st.booleans(),
 )
 WRONG = dict(  # what a person may type into one field
     method=st.just("nonsense"),
@@ -57,6 +59,7 @@ WRONG = dict(  # what a person may type into one field
     n_local=st.sampled_from([-1, "x", 3.5]),
     policy=st.just("mru"),
     capacity=st.sampled_from([-128, "lots"]),
+    mass=st.sampled_from([-0.1, 1.5, "most", None]),
 )
 
 
@@ -83,7 +86,7 @@ def covers(config, method: str, first: int, last: int) -> bool:
     """Every context length from first to last tokens has its whole self in the selection."""
     if method == "full":
         return True
-    if method not in CONFIG_SPLIT:
+    if method not in CONFIG_SPLIT or (config.mass or 1) < 1:  # a budget in mass may leave picks out
         return False
     return all(sum(config.split(n)) >= n for n in range(first, last + 1))
 
