@@ -29,13 +29,18 @@ def build_ui(studio: Studio) -> gr.Blocks:
             build_teaching_tab(teaching, methods)
         with gr.Tab("Cost model"):
             cost_outputs = build_cost_tab()
-        demo.load(lambda: cost(*DEFAULT), None, cost_outputs, api_name=False, show_progress="hidden")
-        demo.load(qa.shown_list, [listing], [listed], api_name=False, show_progress="hidden")
-        demo.load(qa.restarted, [loaded_on], [notice, loaded_on], api_name=False, show_progress="hidden")
+        # the page's opening work, one step after another; its end is marked on the page (body data-opened), so a
+        # script driving the page (the browser tests) knows the fields it types into are not reset after that
+        quiet = dict(api_name=False, show_progress="hidden")
+        opening = demo.load(lambda: cost(*DEFAULT), None, cost_outputs, **quiet)
+        opening = opening.then(qa.shown_list, [listing], [listed], **quiet)
+        opening = opening.then(qa.restarted, [loaded_on], [notice, loaded_on], **quiet)
+        opening.then(None, None, None, js=OPENED_JS, **quiet)
         demo.unload(qa.end_user)  # a closed tab frees its caches
     return demo
 
 
+OPENED_JS = "() => { document.body.dataset.opened = 'yes'; }"
 QUEUE_POLL_S = 0.05  # how often a free queue looks for a new event
 
 

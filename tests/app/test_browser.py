@@ -83,10 +83,9 @@ def page(browser, app_url):
 
 
 def opened(page, url: str | None = None):
-    """Open `url` (None: reload the page) and return once the page's opening events have answered: their stream
-    of results closes."""
-    with page.expect_request_finished(lambda r: "/queue/data" in r.url, timeout=120_000):
-        page.goto(url) if url else page.reload()
+    """Open `url` (None: reload the page) and return once the page's opening work is done (the page marks it)."""
+    page.goto(url) if url else page.reload()
+    page.wait_for_function("() => document.body.dataset.opened === 'yes'", timeout=120_000)
 
 
 def settings(page, open_: bool):

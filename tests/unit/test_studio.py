@@ -30,7 +30,7 @@ def test_load_settings_are_the_form_in_the_order_of_the_endpoint():
     params = list(inspect.signature(QATab.load_document).parameters)
     form = params[params.index("pasted") + 1 : params.index("request")]
     assert form == [f.name for f in fields(LoadSettings)]
-    assert LoadSettings().values() == ["pqcache", 0, 0, 0.1, 32, 0, "lfu", 1024, "utf-8", "refuse"]
+    assert LoadSettings().values() == ["pqcache", 0, 0, 0.1, 32, 0, "lfu", 1024, "utf-8", "refuse", 0, False]
     config = LoadSettings().to_config(pq_timeout_s=8)
     assert (
         config.m,
@@ -45,6 +45,9 @@ def test_load_settings_are_the_form_in_the_order_of_the_endpoint():
     assert (LoadSettings(m=2, bits=6).to_config().m, LoadSettings(m=2, bits=6).to_config().bits) == (2, 6)
     assert LoadSettings(budget="300", n_local=40).to_config().token_budget == 300
     assert LoadSettings(too_long="cut the middle").truncate == "middle" and LoadSettings().truncate == "refuse"
+    assert (config.mass, config.completion) == (None, False)  # 0 and off: the fixed top-k, nothing estimated
+    settled = LoadSettings(mass=0.95, completion=True).to_config()
+    assert (settled.mass, settled.completion) == (0.95, True)
     assert LoadSettings().text_encoding is None and LoadSettings(encoding="cp1252").text_encoding == "cp1252"
     with pytest.raises(PQCacheConfigError, match="token budget must be a number, got 'a lot'"):
         LoadSettings(budget="a lot").to_config()
