@@ -104,9 +104,19 @@ def test_bad_input_comes_back_as_a_message_and_the_document_stays(tab, docs):
 
 def test_stop_reaches_the_replica_during_a_load(tab, docs):
     dan = user("dan")
+    # the replicas idle first: a load that waits for a model slot shows that, and may then run whole between two of
+    # the page's updates (at most one a second) before Stop is pressed
+    wait_for(lambda: tab.server_status()["busy"] == 0)
     loading = tab.load_document(None, LONG, *LoadSettings().values(), request=dan)
     # the replica's progress streams back: once the prefill has begun, press Stop
-    wait_for(lambda: any(s in next(loading)[0] for s in ("tokenizing", "prefill:")), timeout=60, every=0)
+    seen = []
+
+    def prefilling() -> bool:
+        seen.append(next(loading, ("(the load ended)",))[0])
+        assert seen[-1] != "(the load ended)", seen  # the lines the page showed, to tell why
+        return any(s in seen[-1] for s in ("tokenizing", "prefill:"))
+
+    wait_for(prefilling, timeout=60, every=0)
     assert tab.stop_generation(request=dan) == "stopped"
     assert outputs(loading)[-1][0] == "Stopped: the document was not loaded."
     wait_for(lambda: tab.server_status()["busy"] == 0)  # the replica's request ends just after its reply
