@@ -213,9 +213,13 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     )
     new_talk.click(tab.new_conversation, None, [chat, gen_status], api_name="new_conversation", **model_work)
     add_doc.click(
-        tab.add_to_conversation, [file, pasted, encoding, method], [status, gen_status], api_name="add_document",
-        **one_progress, **model_work,
-    )  # fmt: skip
+        tab.add_to_conversation,
+        [file, pasted, encoding, method],
+        [status, gen_status],
+        api_name="add_document",
+        **one_progress,
+        **model_work,
+    )
     for control in (layer, window):
         control.change(
             tab.refresh_panels, [layer, window], plots, api_name=False, concurrency_limit=None, show_progress="hidden"

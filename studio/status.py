@@ -151,8 +151,11 @@ class StatusBook:
                 parts.append(loaded_line(session))
             state = self.pool.conversation_state(user)
             if state and state["added"]:  # every document the conversation holds, named where the document is
-                parts.append(f"The conversation holds **{getattr(session, 'name', 'the document')}** and, added: "
-                             + ", ".join(f"**{n}**" for n in state["added"]) + ".")  # fmt: skip
+                parts.append(
+                    f"The conversation holds **{getattr(session, 'name', 'the document')}** and, added: "
+                    + ", ".join(f"**{n}**" for n in state["added"])
+                    + "."
+                )
         elif load is None and not said and not freed:
             parts.append(NOTHING)
         elif load is None and said and not said.startswith("Stopped"):

@@ -72,8 +72,18 @@ def cmd_eval(args) -> int:
             def answered(i=i, case=case):
                 if scbench:  # a row per turn (--max-new-tokens: the task's own length unless given)
                     first = cases[i - 1] if args.scbench_mode == sc.ADDED else None  # added to the previous case
-                    return sc.run_case(model, tok, case, methods, config, args.scbench_mode, args.max_new_tokens,
-                                       first=first, store=store, truncate="middle" if cut else "refuse")  # fmt: skip
+                    return sc.run_case(
+                        model,
+                        tok,
+                        case,
+                        methods,
+                        config,
+                        args.scbench_mode,
+                        args.max_new_tokens,
+                        first=first,
+                        store=store,
+                        truncate="middle" if cut else "refuse",
+                    )
                 n_new = args.max_new_tokens or EVAL_MAX_NEW
                 return evaluate.run_case(model, tok, case, methods, config, n_new, args.max_length, store, cut)
 

@@ -254,9 +254,15 @@ class Conversation:
         turns = [Turn(**vars(t)) for t in self.turns]
         cache = self.cache.fork(self.method)
         return Conversation(
-            self.session, self.method, cache, turns, list(self.ids), self.open_user_turn, list(self.log),
+            self.session,
+            self.method,
+            cache,
+            turns,
+            list(self.ids),
+            self.open_user_turn,
+            list(self.log),
             added=list(self.added),
-        )  # fmt: skip
+        )
 
     def reset(self):
         """Back to the document alone (its prefill kept)."""
@@ -270,9 +276,13 @@ class Conversation:
         turns = [vars(t) for t in self.turns]
         added = [{k: v for k, v in vars(a).items() if k != "spans"} for a in self.added]
         return {
-            "id": self.id, "method": self.method, "turns": turns, "log": self.log, "open": self.open_user_turn,
+            "id": self.id,
+            "method": self.method,
+            "turns": turns,
+            "log": self.log,
+            "open": self.open_user_turn,
             "added": added,
-        }  # fmt: skip
+        }
 
     @classmethod
     @torch.no_grad()

@@ -26,9 +26,17 @@ def generate_json(run, method: str, max_new_tokens: int) -> dict:
     """`generate --json` on the passkey document with the plain question (run: run_cli or the cli fixture): the
     result object it prints last."""
     proc = run(
-        "generate", "--method", method, "--context-file", str(PASSKEY), "--question", QUESTION,
-        "--max-new-tokens", str(max_new_tokens), "--json",
-    )  # fmt: skip
+        "generate",
+        "--method",
+        method,
+        "--context-file",
+        str(PASSKEY),
+        "--question",
+        QUESTION,
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--json",
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -269,9 +277,17 @@ def test_generate_reads_the_document_from_the_store_the_second_time(cli, tmp_pat
     runs = []
     for _ in range(2):
         proc = cli(
-            "generate", "--context-file", str(PASSKEY), "--question", QUESTION, "--max-new-tokens", "8", "--json",
-            "--store", str(tmp_path / "documents"),
-        )  # fmt: skip
+            "generate",
+            "--context-file",
+            str(PASSKEY),
+            "--question",
+            QUESTION,
+            "--max-new-tokens",
+            "8",
+            "--json",
+            "--store",
+            str(tmp_path / "documents"),
+        )
         assert proc.returncode == 0, proc.stderr[-2000:]
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     first, second = runs

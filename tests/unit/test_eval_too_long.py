@@ -18,12 +18,16 @@ TOO_LONG = "Filler text that goes on. " * 60  # about 1,560 tokens: past the mod
 def cases(fmt: str, tmp_path):
     """(the format's file: a fitting case, an over-long one, a fitting one; the over-long case's id)."""
     if fmt == "pqcache":
-        rows = [{"id": f"c{i}", "context": c, "question": "What is the capital?", "answers": ["Paris"]}
-                for i, c in enumerate((FITS, TOO_LONG, FITS))]  # fmt: skip
+        rows = [
+            {"id": f"c{i}", "context": c, "question": "What is the capital?", "answers": ["Paris"]}
+            for i, c in enumerate((FITS, TOO_LONG, FITS))
+        ]
         return _jsonl(tmp_path / "cases.jsonl", rows), "c1"
     if fmt == "ruler":
-        rows = [{"index": i, "input": c + " What is the capital?", "outputs": ["Paris"], "max_new_tokens": 4}
-                for i, c in enumerate((FITS, TOO_LONG, FITS))]  # fmt: skip
+        rows = [
+            {"index": i, "input": c + " What is the capital?", "outputs": ["Paris"], "max_new_tokens": 4}
+            for i, c in enumerate((FITS, TOO_LONG, FITS))
+        ]
         return _jsonl(tmp_path / "qa_1.jsonl", rows), None
     if fmt == "scbench":
         turns = [{"input": "What is the capital?", "answer": "Paris"}, {"input": "And again?", "answer": "Paris"}]

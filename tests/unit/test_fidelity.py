@@ -125,8 +125,9 @@ def test_the_command_line_prints_the_summary_and_writes_the_rows(model_dir, tmp_
     doc.write_text(TEXT, encoding="utf-8")
     flags = ["--model", str(model_dir), "--device", "cpu", "--context-file", str(doc), "--context-tokens", "300"]
     settings = "full,pqcache,pqcache+completion"
-    code = main(["eval", "fidelity", *flags, "--budgets", "0.1", "--n-queries", "2", "--methods", settings,
-                 "--out", str(out)])  # fmt: skip
+    code = main(
+        ["eval", "fidelity", *flags, "--budgets", "0.1", "--n-queries", "2", "--methods", settings, "--out", str(out)]
+    )
     printed, err = capsys.readouterr()
     assert code == 0, err
     result = json.loads(out.read_text(encoding="utf-8"))

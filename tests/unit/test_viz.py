@@ -58,8 +58,11 @@ def test_recall_and_hit_rate_lines(recorded):
 
 
 def test_a_model_with_many_layers_gets_their_range_and_mean_not_a_line_each():
-    rows = [{"layer": layer, "step": step, "topk_recall": [layer / 40 + step / 100]} for layer in range(30)
-            for step in range(5)]  # fmt: skip
+    rows = [
+        {"layer": layer, "step": step, "topk_recall": [layer / 40 + step / 100]}
+        for layer in range(30)
+        for step in range(5)
+    ]
     fig = figures.recall({"recall": rows})
     assert [tr.name for tr in fig.data if tr.showlegend is not False] == ["range over 30 layers", "mean of 30 layers"]
     low, high, mean = fig.data
