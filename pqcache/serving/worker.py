@@ -98,21 +98,20 @@ class DocumentWorker:
         if progress is not None:
             progress(0.0, "tokenizing")
         try:
-            session.info = session.load(
-                text,
-                progress=progress,
-                stop=stop,
-                truncate=settings.truncate,
-                reserve=lambda n: self.pool.reserve(user, SLOT, n),
-            )
+            self._read_into(user, SLOT, session, text, progress=progress, stop=stop, truncate=settings.truncate)
         except PQCacheConfigError as exc:  # a setting the model refuses (m must divide its head size)
-            self.pool.unreserve(user, SLOT)
             raise PQCacheConfigError(in_form_words(str(exc))) from None
-        except BaseException:
-            self.pool.unreserve(user, SLOT)
-            raise
-        self.pool.store(user, SLOT, session)
         return session
+
+    def _read_into(self, user: str, slot: str, session: DocumentSession, text: str, **load):
+        """session.load(text, **load) under the pool's reservation for the user's `slot`: stored there once read
+        (its load info kept as session.info), the reservation given back when the read fails or stops."""
+        try:
+            session.info = session.load(text, reserve=lambda n: self.pool.reserve(user, slot, n), **load)
+        except BaseException:
+            self.pool.unreserve(user, slot)
+            raise
+        self.pool.store(user, slot, session)
 
     def teach(self, user: str, case: TeachingCase, methods: list[str], budget, progress=None, stop=None) -> dict:
         """The Teaching tab's run: one prefill of `case.text` in the user's "teaching" slot (beside their document,
@@ -128,17 +127,7 @@ class DocumentWorker:
         # the prefill's queries kept when a chosen method starts from them: no second read of the document
         keep_queries = any(METHODS[m].needs_prefill_queries for m in methods if m in METHODS)
         session = DocumentSession(self.model, self.tokenizer, config, method="pqcache", keep_queries=keep_queries)
-        try:
-            session.load(
-                case.text,
-                progress=lambda f, words: say(0.5 * f, words),
-                stop=stop,
-                reserve=lambda n: self.pool.reserve(user, TEACHING, n),
-            )
-        except BaseException:
-            self.pool.unreserve(user, TEACHING)
-            raise
-        self.pool.store(user, TEACHING, session)
+        self._read_into(user, TEACHING, session, case.text, progress=lambda f, words: say(0.5 * f, words), stop=stop)
         return lesson(session, case, methods, lambda f, words: say(0.5 + 0.5 * f, words))
 
     # ---- the user's conversations on their document -------------------------------------------------
