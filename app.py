@@ -32,12 +32,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 for var in ("NO_PROXY", "no_proxy"):  # the browser and the client talk to localhost directly
     os.environ[var] = ",".join(filter(None, [os.environ.get(var, ""), "localhost", "127.0.0.1"]))
 
-from pqcache import load_model  # noqa: E402
 from pqcache.cli.args import add_dtype_flags  # noqa: E402
 from pqcache.serving.documents import MAX_DOCUMENT_BYTES  # noqa: E402
+from pqcache.serving.home import store_root  # noqa: E402
 from pqcache.serving.pool import limit_malloc_arenas  # noqa: E402
 from pqcache.serving.server_settings import ServerSettings  # noqa: E402
-from pqcache.serving.store import default_root  # noqa: E402
 from studio import Studio, build_ui  # noqa: E402
 from studio.ui import queued  # noqa: E402
 
@@ -141,7 +140,7 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
         max_cache_bytes=cache_bytes(args),
         idle_s=args.idle_minutes * 60 or None,  # 0: never by idleness
         concurrency=args.concurrency,
-        store_dir=None if args.no_store else str(args.store or default_root()),
+        store_dir=None if args.no_store else str(args.store or store_root()),
         store_cap_bytes=None if args.store_gib is None else int(args.store_gib * 2**30),
     )
 
@@ -157,6 +156,8 @@ def main(argv: list[str] | None = None):
         studio = Studio(None, None, None, server, documents=documents, concurrency=concurrency)
         print(f"model ready on {args.replicas} Ray replicas; caches capped on each as in one process", flush=True)
     else:
+        from pqcache import load_model  # here: with --ray this process imports no torch
+
         print("preparing the model (the first start converts the bundled GGUF, about a minute)...", flush=True)
         model, tokenizer = load_model(
             server.model,

@@ -8,7 +8,7 @@ import time
 
 import gradio as gr
 
-from pqcache.serving.session import step_ms
+from pqcache.serving.answer import step_ms
 from studio.common import describe, notices
 from studio.panels import PANEL_EVERY_S
 from studio.sources import chat_quotes

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import itertools
 import threading
+from typing import TYPE_CHECKING
 
 import gradio as gr
 
-from pqcache import Instrumentation
-from pqcache.serving.session import DocumentSession
 from viz import figures
+
+if TYPE_CHECKING:
+    from pqcache import Instrumentation
+    from pqcache.serving.session import DocumentSession
 
 PANELS = ("power", "recall", "hits", "timeline", "memory")
 WINDOWS = {"last 5 s": 5.0, "whole run": None}  # the timeline's choices

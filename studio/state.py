@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pqcache.serving.pool import SessionPool
 from pqcache.serving.server_settings import ServerSettings
 from pqcache.serving.service import DocumentsService
-from pqcache.serving.worker import DocumentWorker
+
+if TYPE_CHECKING:
+    from pqcache.serving.pool import SessionPool
 
 
 @dataclass
@@ -28,7 +30,9 @@ class Studio:
     def __post_init__(self):
         if self.concurrency is None:
             self.concurrency = self.server.concurrency
-        if self.documents is None:
+        if self.documents is None:  # imported here: with --ray the page's process imports no torch
+            from pqcache.serving.worker import DocumentWorker
+
             self.documents = DocumentWorker(self.model, self.tokenizer, self.pool, self.server, self.store)
         # the model that answers and its device, from where it is (with --ray this process holds no model)
         self.about = self.documents.about()

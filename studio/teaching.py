@@ -10,7 +10,7 @@ import os
 
 import gradio as gr
 
-from pqcache.serving.teaching import TeachingCase
+from pqcache.serving.service import TeachingCase
 from studio.common import ASSETS, describe, user_of
 from studio.state import Studio
 from viz import teaching as pictures

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gradio as gr
 
-from pqcache import METHODS
 from studio.costmodel_tab import DEFAULT, build_cost_tab, cost
 from studio.qa import QATab
 from studio.qa_page import build_qa_tab
@@ -14,7 +13,7 @@ from studio.teaching_page import build_teaching_tab
 
 
 def build_ui(studio: Studio) -> gr.Blocks:
-    methods = list(METHODS)
+    methods = studio.about["methods"]  # the selection methods the documents' server offers
     qa, teaching = QATab(studio), TeachingTab(studio)
     with gr.Blocks(title="PQCache Studio") as demo:
         gr.Markdown(

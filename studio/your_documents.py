@@ -26,7 +26,7 @@ SOME = "Open reads one back from the store (no prefill, with the settings it was
 def browser_secret() -> str:
     """The key BrowserState encrypts the listing with: one per PQCACHE_HOME, kept across restarts (a new random
     one at each start would make every browser's listing unreadable after a restart)."""
-    from pqcache.serving.loading import pqcache_home
+    from pqcache.serving.home import pqcache_home
 
     path = pqcache_home() / "browser_secret"
     try:

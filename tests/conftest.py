@@ -83,7 +83,7 @@ def cli(real_model, monkeypatch, capsys):
     import subprocess
 
     from pqcache.cli.main import main
-    from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
+    from pqcache.fastpath.choices import DEFAULT_DECODE_WEIGHTS
     from pqcache.serving import loading
 
     original = loading.load_model

@@ -256,7 +256,7 @@ def test_the_teaching_run_happens_where_the_model_is(service, user):
     """The Teaching tab's run through the service: one prefill of its document beside the user's (which stays),
     each method's row, the walkthrough's data and the spotlight's token texts, as plain data the page needs no
     model for; the model line and device from where the model is."""
-    from pqcache.serving.teaching import TeachingCase
+    from pqcache.serving.service import TeachingCase
 
     load(service, user)
     ask(service, user, "What is w3?")

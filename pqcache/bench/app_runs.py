@@ -10,9 +10,9 @@ import time
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.eval.passkey import LONG_QUESTION
+from pqcache.serving.answer import step_ms
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.prompt import build_prompt
-from pqcache.serving.session import step_ms
 from pqcache.serving.settings import LoadSettings, answer_observer
 from pqcache.serving.worker import DocumentWorker
 

@@ -53,8 +53,9 @@ def bench_conversation(
     model, tokenizer, seq_lens=(8192, 24576), turns: int = 6, max_new_tokens: int = 16, config=None
 ) -> tuple[list[dict], list[dict]]:
     """-> (a row per length and turn, a summary row per length)."""
+    from pqcache.serving.answer import step_ms
     from pqcache.serving.conversation import Conversation
-    from pqcache.serving.session import DocumentSession, step_ms
+    from pqcache.serving.session import DocumentSession
 
     config = config or PQCacheConfig()
     device = next(model.parameters()).device

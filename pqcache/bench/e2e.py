@@ -18,9 +18,9 @@ from pathlib import Path
 from pqcache import native
 from pqcache.bench.e2e_turns import failure, run_in_turns, runner_env, spec_file
 from pqcache.engine.config import PQCacheConfig
+from pqcache.fastpath.choices import DEFAULT_DECODE_WEIGHTS
 from pqcache.fastpath.dtype import available_cpus, dtype_name, resolve_dtype
-from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
-from pqcache.serving.loading import DEFAULT_NAMES, SMOLLM2_NAMES
+from pqcache.serving.home import DEFAULT_NAMES, SMOLLM2_NAMES
 
 RUNNERS = ("llama.cpp", "full", "pqcache")
 SEQ_LENS = (1024, 4096, 8192, 16384, 32768)

@@ -58,7 +58,7 @@ def torch_runner(spec: dict):
     import torch
 
     from pqcache.engine.config import PQCacheConfig
-    from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
+    from pqcache.fastpath.choices import DEFAULT_DECODE_WEIGHTS
     from pqcache.serving.generate import decode_one_token, make_cache, prefill
     from pqcache.serving.loading import load_model
 

@@ -6,9 +6,7 @@ import argparse
 from pathlib import Path
 
 from pqcache.engine.config import described
-from pqcache.engine.methods import METHODS
-from pqcache.fastpath.dtype import DTYPE_CHOICES
-from pqcache.fastpath.weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS
+from pqcache.fastpath.choices import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, DTYPE_CHOICES
 
 
 def _opt_ints(text: str) -> tuple:
@@ -98,6 +96,8 @@ def add_answer_flags(g: argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pqcache.engine.methods import METHODS  # here: app.py reads this module's flags without importing torch
+
     p = argparse.ArgumentParser(
         prog="python -m pqcache", description="PQCache: PQ-retrieved attention for long contexts"
     )

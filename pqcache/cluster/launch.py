@@ -16,7 +16,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from pqcache.cluster.client import ClusterDocuments
-from pqcache.serving.loading import DEFAULT_NAMES, SMOLLM2_NAMES
+from pqcache.serving.home import DEFAULT_NAMES, SMOLLM2_NAMES
 from pqcache.serving.server_settings import ServerSettings
 
 APP = "pqcache"

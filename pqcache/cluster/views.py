@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled, NoDocumentError, PQCacheError, SessionEvictedError
+from pqcache.serving.answer import Answer
 from pqcache.serving.service import CHAT
 
 
@@ -94,8 +95,6 @@ class RemoteDocument:
         """As DocumentWorker.ask: the answer, within the user's conversation on the replica, streams from it;
         on_token(answer) as its text grows, the observer gets the replica's records. A set `stop` reaches the replica
         through the user's stop event."""
-        from pqcache.serving.session import Answer
-
         observe = {}
         if observer is not None:
             observe = {k: getattr(observer, k) for k in ("timeline", "attention_every", "recall_every", "selections")}

@@ -24,8 +24,12 @@ import functools
 import threading
 import time
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
+
+if TYPE_CHECKING:
+    import torch
 
 LANES = ("device compute", "host clustering", "copy to host", "copy to device")
 RECORDS = ("events", "attention", "recall", "blocks", "selected", "mass")  # the kinds of records, each a list
@@ -35,9 +39,8 @@ RECORDS = ("events", "attention", "recall", "blocks", "selected", "mass")  # the
 def log_ranks(n: int, n_sorted: int) -> tuple[int, ...]:
     """Up to n_sorted log-spaced ranks (1-based) of n tokens (cached: every sampled step of a layer asks for the
     same n, or one more)."""
-    top = torch.log10(torch.tensor(float(max(n, 1))))
-    ranks = torch.unique(torch.logspace(0, top, n_sorted).long())
-    return tuple(ranks[ranks <= n].tolist())
+    ranks = np.unique(np.rint(np.logspace(0, np.log10(max(n, 1)), n_sorted)).astype(np.int64))
+    return tuple(int(rank) for rank in ranks if rank <= n)
 
 
 class Instrumentation:

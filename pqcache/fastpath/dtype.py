@@ -14,8 +14,9 @@ from functools import cache
 
 import torch
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-DTYPE_CHOICES = ("auto", *DTYPES)
+from pqcache.fastpath.choices import DTYPE_CHOICES
+
+DTYPES = {name: getattr(torch, name) for name in DTYPE_CHOICES if name != "auto"}
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")  # /proc/cpuinfo flags of native bf16 dot products
 
 

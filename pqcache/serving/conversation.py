@@ -30,6 +30,7 @@ import torch
 from pqcache.engine.errors import Cancelled, InputError, NoDocumentError
 from pqcache.engine.instrument import Instrumentation
 from pqcache.engine.sources import AttentionTally
+from pqcache.serving.answer import Answer
 from pqcache.serving.generate import decode_n_tokens, decode_one_token, eos_token_ids, prefill, prefill_document
 from pqcache.serving.hooks import layer_hooks
 
@@ -153,8 +154,6 @@ class Conversation:
     ):
         """Answer `question` with every earlier turn in view; the turn is kept. Returns a session Answer (`method`:
         the conversation's own; another one raises, as the cache holds this method's state)."""
-        from pqcache.serving.session import Answer
-
         if method not in (None, self.method):
             raise InputError(f"this conversation runs {self.method}; start a new one for {method}")
         if not question or not question.strip():

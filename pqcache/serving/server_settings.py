@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pqcache.engine.config import PQCacheConfig
-from pqcache.fastpath.weights import DEFAULT_DECODE_WEIGHTS
+from pqcache.fastpath.choices import DEFAULT_DECODE_WEIGHTS
 from pqcache.serving.pool import IDLE_S
 from pqcache.serving.settings import MAX_QUESTION_CHARS, EngineSettings, LoadSettings
 

@@ -14,9 +14,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 CHAT = "chat"  # the name of a user's conversation where none is given (the page's one)
+
+
+@dataclass(frozen=True)
+class TeachingCase:
+    """A document, a fact written in it (its words as the text has them), the question about it and its answer."""
+
+    text: str
+    fact: str
+    question: str
+    answer: str
 
 
 @runtime_checkable
@@ -57,7 +68,8 @@ class DocumentsService(Protocol):
         """The service's memory and users, as plain data for the status panel."""
 
     def about(self) -> dict:
-        """{"model": one line naming the model that answers, "device": "cpu" or "cuda"} (where the model is)."""
+        """{"model": one line naming the model that answers, "device": "cpu" or "cuda", "methods": the selection
+        methods' names} (where the model is)."""
 
     def teach(self, user: str, case, methods: list[str], budget, progress=None, stop=None) -> dict:
         """The Teaching tab's run where the model is: one prefill of `case.text` (a TeachingCase) beside the user's

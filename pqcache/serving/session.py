@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 
@@ -24,6 +24,7 @@ from pqcache.engine.errors import Cancelled, DocumentTooLongError, InputError, N
 from pqcache.engine.instrument import Instrumentation
 from pqcache.engine.methods import make_method
 from pqcache.engine.sources import AttentionTally
+from pqcache.serving.answer import Answer
 from pqcache.serving.documents import check_text
 from pqcache.serving.footprint import document_bytes, read_queries
 from pqcache.serving.generate import decode_n_tokens, eos_token_ids, prefill, prefill_document
@@ -33,35 +34,6 @@ from pqcache.serving.restore import LoadedCache, load_or_restore
 from pqcache.serving.sources import highlights, passages
 
 ANSWER_ROOM = 512  # tokens kept free for the question and the answer
-
-
-@dataclass
-class Answer:
-    text: str = ""
-    tokens: list[int] = field(default_factory=list)
-    seconds: float = 0.0
-    first_s: float = 0.0  # seconds from the question to the first answer token (the question's prefill, then it)
-    generated: int = 0  # tokens the model produced: the answer's and those the stop rule dropped
-    done: bool = False
-    stopped: bool = False
-    ended: str = ""  # why the answer ended: eos, end_of_answer, repetition, max_new_tokens or stopped
-    # the passages its attention read most: {"start", "end", "text", "share"}, highest share first (sources.py)
-    sources: list[dict] = field(default_factory=list)
-    # character ranges [start, end, weight] of the document tokens it attended to most (weight: of the most)
-    attended: list[list] = field(default_factory=list)
-    # [start, end] of tokens in the exact top-k that the selection did not attend to (sampled steps, observed)
-    missed: list[list] = field(default_factory=list)
-    # seconds spent reading the document again for the prefill's queries, which the method starts from and the
-    # load did not keep (DocumentSession.ensure_queries); 0.0 when none
-    reread_s: float = 0.0
-    note: str = ""  # what the page should know first (a new conversation started for another method)
-
-
-def step_ms(answer) -> float | None:
-    """An answer's ms a step after its first token (every token the model produced, the stop rule's dropped ones
-    too): an Answer, or a replica's view of one with the same fields; None without two steps."""
-    first, steps = getattr(answer, "first_s", 0.0), getattr(answer, "generated", 0) or len(answer.tokens)
-    return 1e3 * (answer.seconds - first) / (steps - 1) if first and steps > 1 else None
 
 
 def truncate_middle(ids: torch.Tensor, max_tokens: int) -> torch.Tensor:

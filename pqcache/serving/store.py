@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from pqcache.engine.errors import InputError
+from pqcache.serving.home import store_root
 
 FORMAT = 1
 TENSORS, MANIFEST, TEXT = "tensors.safetensors", "manifest.json", "document.txt"
@@ -91,12 +92,6 @@ def tokenizer_fingerprint(tokenizer) -> str:
     return fingerprint
 
 
-def default_root() -> Path:
-    from pqcache.serving.loading import pqcache_home
-
-    return pqcache_home() / "documents"
-
-
 def default_cap_bytes(root: Path) -> int:
     """A quarter of the free disk where the store lives."""
     probe = root if root.exists() else next((p for p in root.parents if p.exists()), Path("/"))
@@ -105,7 +100,7 @@ def default_cap_bytes(root: Path) -> int:
 
 class DocumentStore:
     def __init__(self, root: str | Path | None = None, cap_bytes: int | None = None):
-        self.root = Path(root) if root is not None else default_root()
+        self.root = Path(root) if root is not None else store_root()
         self.cap_bytes = cap_bytes if cap_bytes is not None else default_cap_bytes(self.root)
 
     # ---- keys and manifests --------------------------------------------------------------------------------

@@ -8,23 +8,12 @@ keep: the page needs no model and no tokenizer (the spotlight's token texts come
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from pqcache import Instrumentation
 from pqcache.serving.prompt import PromptBuilder, has_chat_template
+from pqcache.serving.service import TeachingCase
 from pqcache.serving.walkthrough import StepRecorder
 
 SPOTLIGHT_BEFORE, SPOTLIGHT_AFTER = 50, 40  # tokens shown around the fact
-
-
-@dataclass(frozen=True)
-class TeachingCase:
-    """A document, a fact written in it (its words as the text has them), the question about it and its answer."""
-
-    text: str
-    fact: str
-    question: str
-    answer: str
 
 
 def lesson(session, case: TeachingCase, methods: list[str], progress) -> dict:

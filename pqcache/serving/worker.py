@@ -27,11 +27,11 @@ from pqcache.serving.conversation import Conversation
 from pqcache.serving.loading import describe_model
 from pqcache.serving.pool import SessionPool
 from pqcache.serving.server_settings import ServerSettings
-from pqcache.serving.service import CHAT
+from pqcache.serving.service import CHAT, TeachingCase
 from pqcache.serving.session import DocumentSession
 from pqcache.serving.settings import DEVICE_BLOCK_CACHE_TOKENS, LABELS, LoadSettings, in_form_words, number
 from pqcache.serving.stored_conversations import keep, resume
-from pqcache.serving.teaching import TeachingCase, lesson
+from pqcache.serving.teaching import lesson
 
 SLOT = "qa"
 TEACHING = "teaching"  # the Teaching tab's document, a slot of its own beside the user's
@@ -71,8 +71,12 @@ class DocumentWorker:
         return self.pool.summary()
 
     def about(self) -> dict:
-        """The model that answers, in one line, and the device it runs on."""
-        return {"model": describe_model(self.model, self.tokenizer), "device": device_of(self.model)}
+        """The model that answers, in one line, the device it runs on and the selection methods it offers."""
+        return {
+            "model": describe_model(self.model, self.tokenizer),
+            "device": device_of(self.model),
+            "methods": list(METHODS),
+        }
 
     def count(self, user: str, nbytes: int, slot: str = SLOT):
         self.pool.count(user, slot, nbytes)

@@ -240,7 +240,7 @@ def test_an_answers_first_words_are_sent_at_once_not_at_the_next_tick(monkeypatc
     """The chat is sent at most every CHAT_EVERY_S seconds, but the first text goes out as soon as the model has it:
     with the tick set to a day, the first token's text reaches the page while the answer is still running."""
     import studio.answering as answering
-    from pqcache.serving.session import Answer
+    from pqcache.serving.answer import Answer
     from studio.panels import PanelFeed
 
     monkeypatch.setattr(answering, "CHAT_EVERY_S", 86400.0)
