@@ -91,7 +91,7 @@ def bench_attention(
             layer.select(q_rows, 1.0)
 
         def rerank_stage():
-            rerank_exact(view.host, q_rows, *qs, ks, cfg.gqa_combine)
+            rerank_exact(view.host, q_rows, *qs, ks, cfg)
 
         steps = {"dense": dense, "pq": pq_step, "search": search, "rerank": rerank_stage, "completed": completed_step}
         for fn in steps.values():  # warm-up

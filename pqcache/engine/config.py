@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass, field, fields, replace
 
 from pqcache.engine.errors import PQCacheConfigError
+from pqcache.engine.kernels import Kernels
 
 DEVICE_BLOCK_CACHE_TOKENS = 1024  # the block cache's capacity where block_cache_tokens is None, on an accelerator
 KV_DTYPES = ("auto", "model", "float32", "float16", "bfloat16")  # kv_dtype's choices
@@ -134,8 +135,13 @@ class PQCacheConfig:
         "the model's own dtype)",
         choices=KV_DTYPES,
     )
+    # Which of the decode step's faster implementations run (engine/kernels.py): the defaults are the fastest; a
+    # test switches one to compare it with the general path. Results are the same either way, so no store key has it.
+    kernels: Kernels = field(default_factory=Kernels)
 
     def __post_init__(self):
+        if isinstance(self.kernels, dict):  # as to_dict() (and a replica's view of a document) wrote it
+            self.kernels = Kernels(**self.kernels)
         errors = config_errors(self)
         if errors:
             raise PQCacheConfigError("invalid PQCacheConfig: " + "; ".join(errors))

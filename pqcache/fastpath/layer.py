@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import eager_attention_forward
 
+from pqcache.engine.kernels import Kernels
 from pqcache.engine.layer.layer import PQLayer
 from pqcache.engine.layer.sliding import AppendSlidingWindowLayer
 from pqcache.fastpath.shape import ACTIVATIONS, LayerShape, activation, layer_shape
@@ -35,8 +36,6 @@ from pqcache.fastpath.weights import DecodeLinear
 from pqcache.native.layer import LayerStep
 
 ONE_REAL = torch.ones((1, 1), dtype=torch.bool)  # a step's new token is a real one (PQLayer.attend's new_valid)
-NATIVE_STEP = True  # `step` in C where it can (the tests switch it off to compare with the torch step to the bit)
-WINDOW_STEP = True  # ...and a sliding-window layer's step in one C call (the tests compare it with three)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -58,8 +57,9 @@ def _mm(x: torch.Tensor, weights) -> torch.Tensor:
 class FastDecodeLayer:
     """Installed as `layer.forward`: few-row CPU forwards take the short path, the rest the model's forward."""
 
-    def __init__(self, layer, rotary_memo: dict, shape: LayerShape):
+    def __init__(self, layer, rotary_memo: dict, shape: LayerShape, kernels: Kernels):
         attn, mlp = layer.self_attn, layer.mlp
+        self.kernels = kernels  # whether `step` runs in C where it can (engine/kernels.py)
         self.layer, self.attn, self.model_forward, self.shape = layer, attn, layer.forward, shape
         self.max_rows = attn.q_proj.max_rows
         self.eps, self.act = shape.eps, activation(shape)
@@ -121,7 +121,7 @@ class FastDecodeLayer:
         window's, a full-attention layer's of a DynamicCache), with SDPA called as transformers calls it."""
         self.steps += 1
         if self.native is not None:
-            if WINDOW_STEP and type(cache_layer) is AppendSlidingWindowLayer:
+            if self.kernels.window_step and type(cache_layer) is AppendSlidingWindowLayer:
                 y = self._window_step(x, position_embeddings, cache_layer)
                 if y is not None:
                     return y
@@ -198,7 +198,7 @@ class FastDecodeLayer:
         self.o, self.down = attn.o_proj.weights, mlp.down_proj.weights
         self.native = None  # LayerStep where every product is a native int8 one
         products = {"qkv": self.qkv, "o": self.o, "gate_up": self.gate_up, "down": self.down}
-        if NATIVE_STEP and all(getattr(w, "native", None) is not None for w in products.values()):
+        if self.kernels.native_step and all(getattr(w, "native", None) is not None for w in products.values()):
             shape = self.shape
             sizes = {"E": self.o.native.N, "Hq": self.n_q, "Hk": self.n_kv, "D": self.D, "I": self.I}
             sizes["act"] = ACTIVATIONS.index(shape.act)

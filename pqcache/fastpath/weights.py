@@ -15,27 +15,25 @@ import torch
 from torch import nn
 
 from pqcache.engine.hugepages import into_arena
+from pqcache.engine.kernels import DEFAULT_KERNELS, Kernels
 from pqcache.fastpath.choices import DEFAULT_DECODE_WEIGHTS
 from pqcache.fastpath.pages import Pages
 from pqcache.fastpath.quantize import WEIGHT_KINDS, Int8Rows, is_four_bit
-
-# A longer forward (a prefill chunk, a question) reads the model's float weights; where they are a mapped file's pages
-# they are given back after each use (pages.py), so a process holds one layer's float weights at a time, not all
-# of them beside their int8 copies: 375 MB less for the bundled model, for re-reading them from the page cache at
-# the next chunk (docs/benchmarks.md's memory table: the prefill's tokens/s with and without).
-RELEASE_AFTER_USE = True
 
 # Sibling projections that read the same input: one matmul over their stacked rows serves them all.
 FUSED_SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class DecodeLinear(nn.Module):
-    def __init__(self, linear: nn.Linear, kind: str = "int8", max_rows: int = 4, quantize: bool = True):
+    def __init__(
+        self, linear: nn.Linear, kind: str = "int8", max_rows: int = 4, quantize: bool = True, release: bool = True
+    ):
         """linear: the model's layer (kept, not copied: longer forwards use it). kind: "int8" or "int4"
         (quantize.py). max_rows: forwards with more rows than this use the model's layer too. quantize=False: a
         member of FusedSiblings, which holds the copy."""
         super().__init__()
         self.linear, self.kind, self.max_rows = linear, kind, max_rows
+        self.release = release  # a longer forward gives the float weights' file pages back after use
         self.weights = WEIGHT_KINDS[kind][0](linear.weight) if quantize else None  # Int8Rows or Int4Groups
         # the model's weights, where they are a file's pages: read by longer forwards only, then given back
         self.pages = Pages(linear.weight)
@@ -59,7 +57,7 @@ class DecodeLinear(nn.Module):
         rows = x.numel() // x.shape[-1]
         if rows > self.max_rows or x.device.type != "cpu":
             y = self.linear(x)
-            if RELEASE_AFTER_USE:
+            if self.release:
                 self.pages.release()
             return y
         if self.group is not None:
@@ -105,10 +103,12 @@ class FusedSiblings:
         return y
 
 
-def install_decode_weights(model, kind: str = DEFAULT_DECODE_WEIGHTS) -> int:
+def install_decode_weights(model, kind: str = DEFAULT_DECODE_WEIGHTS, kernels: Kernels = DEFAULT_KERNELS) -> int:
     """Wrap every nn.Linear inside the model's decoder layers (not the LM head, not the embeddings; not one whose
     input width the kernel cannot take) in a DecodeLinear of `kind` ("auto", "int8" or "int4"), and stack the
-    siblings of FUSED_SIBLINGS. Returns how many were wrapped (0 where the kernel is missing)."""
+    siblings of FUSED_SIBLINGS. Returns how many were wrapped (0 where the kernel is missing). kernels: whether a
+    longer forward gives the float weights' pages back after use (engine/kernels.py)."""
+    release = kernels.release_weights_after_use
     from pqcache.engine.cache import decoder_layers
 
     takes = WEIGHT_KINDS["int8" if kind == "auto" else kind][1]
@@ -120,11 +120,17 @@ def install_decode_weights(model, kind: str = DEFAULT_DECODE_WEIGHTS) -> int:
             for names in FUSED_SIBLINGS:  # siblings of the same input width: quantized once, stacked
                 if all(n in linears for n in names) and len({linears[n].in_features for n in names}) == 1:
                     group_kind = kind_for([linears[n].weight for n in names], kind)
-                    made.update({n: DecodeLinear(linears[n], group_kind, quantize=False) for n in names})
+                    made.update(
+                        {n: DecodeLinear(linears[n], group_kind, quantize=False, release=release) for n in names}
+                    )
                     FusedSiblings([made[n] for n in names])
             for name, child in linears.items():
                 setattr(
-                    parent, name, made[name] if name in made else DecodeLinear(child, kind_for([child.weight], kind))
+                    parent,
+                    name,
+                    made[name]
+                    if name in made
+                    else DecodeLinear(child, kind_for([child.weight], kind), release=release),
                 )
                 wrapped += 1
     # every int8 copy in one buffer on huge pages (a step streams all of them): views of it replace the copies

@@ -33,7 +33,8 @@ def document_bytes(model, config, method: str, n_tokens: int, device, keep_queri
     cfg = config.for_head_dim(head_dim)
     kv_dtype = cfg.kv_dtype_for(weight.dtype, device)
     host_per_token = 2 * n_kv * head_dim * kv_dtype.itemsize  # host tier, windows
-    blocks = min(cfg.block_cache_for(device), n_tokens // 4) if holds_copies(device) else 0  # none held on a CPU
+    copies = holds_copies(device, cfg.kernels)  # none held on a CPU
+    blocks = min(cfg.block_cache_for(device), n_tokens // 4) if copies else 0
     buffer = 2 * n_kv * head_dim * buffer_dtype(kv_dtype, weight.dtype, device).itemsize
     full = n_tokens * host_per_token + (cfg.budget_tokens(n_tokens) + 1) * buffer + blocks * per_token
     # uint8 codes (m a token) and float32 centroids (2^bits x head_dim), and OPQ's rotation, per KV head

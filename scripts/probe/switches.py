@@ -3,12 +3,34 @@ cache) in setting A or B, so one process can alternate between them after a sing
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 
 def switch(owner, name: str, a, b):
     """(A, B): callables that set owner.name to a, or to b."""
     return (lambda: setattr(owner, name, a)), (lambda: setattr(owner, name, b))
+
+
+def kernel_switch(model, cache, name: str):
+    """(A, B): the kernel `name` on (A) or off (B) for the cache's PQ layers (their configs and indexes) and the
+    model's fast decode layers (engine/kernels.py)."""
+    from pqcache.fastpath.layer import FastDecodeLayer
+
+    def use(on: bool):
+        for layer in cache.pq_layers if cache is not None else []:
+            layer.config = replace(layer.config, kernels=replace(layer.config.kernels, **{name: on}))
+            index = layer.method_state.get("index")
+            if index is not None:
+                index.config = layer.config
+        for layer in model.model.layers:
+            fast = layer.__dict__.get("forward")
+            if isinstance(fast, FastDecodeLayer):
+                fast.kernels = replace(fast.kernels, **{name: on})
+                fast.bind()
+
+    return (lambda: use(True)), (lambda: use(False))
 
 
 def settings(model, what: str, cache=None):
@@ -27,29 +49,17 @@ def settings(model, what: str, cache=None):
 
         return switch(onerow, "ready", onerow.ready, lambda *_: False)
     if what == "values":  # A: the picks' values summed where they lie (HostTier.value_sums), B: copied, then summed
-        import pqcache.engine.layer.onerow as onerow
-
-        return switch(onerow, "VALUES_IN_PLACE", True, False)
+        return kernel_switch(model, cache, "values_in_place")
     if what == "select":  # A: PQCache's selection in C (native/select.py), B: in torch's operators
-        import pqcache.engine.methods.pqcache as method
-
-        return switch(method, "NATIVE_SELECT", True, False)
+        return kernel_switch(model, cache, "native_select")
     if what == "pqstep":  # A: the one-row step's selection and attention in one C call (pq_step), B: call by call
-        import pqcache.engine.layer.onerow as onerow
-
-        return switch(onerow, "FUSED", True, False)
+        return kernel_switch(model, cache, "fused")
     if what == "file":  # A: the fused step files its new token in its own C call (pq_step), B: in a call of its own
-        import pqcache.engine.layer.onerow as onerow
-
-        return switch(onerow, "FILE_IN_STEP", True, False)
+        return kernel_switch(model, cache, "file_in_step")
     if what == "window":  # A: a sliding layer's step in one C call (layer_window_step), B: three and the copies
-        import pqcache.fastpath.layer as fast_layer
-
-        return switch(fast_layer, "WINDOW_STEP", True, False)
+        return kernel_switch(model, cache, "window_step")
     if what == "attention":  # A: the one-row step's attention in one C call (attend_picks), B: torch's, values in place
-        import pqcache.engine.layer.onerow as onerow
-
-        return switch(onerow, "NATIVE_ATTENTION", True, False)
+        return kernel_switch(model, cache, "native_attention")
     if what == "threads":
         return (lambda: torch.set_num_threads(2)), (lambda: torch.set_num_threads(1))
     if what == "scores":  # A: the re-rank's scores stand in for the picks' keys, B: the picks' keys fetched too

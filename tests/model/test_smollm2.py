@@ -76,7 +76,7 @@ def outputs_of(tab, question, chat):
     return outputs(tab.ask(question, chat, "pqcache", 16, None, request=ANN))[-1][0]
 
 
-def test_the_fast_decode_path_runs_smollm2_as_its_own_forward_does(smollm2, monkeypatch):
+def test_the_fast_decode_path_runs_smollm2_as_its_own_forward_does(smollm2):
     """SmolLM2's real weights through the Llama-family fast path (pqcache/fastpath): every layer has it and the
     one-row step runs; in torch its logits are bit-identical to the model's own layer forwards with the same decode
     linears, and in C (layer_step.c, another summation order over 30 layers) the greedy tokens are the same, under
@@ -84,8 +84,8 @@ def test_the_fast_decode_path_runs_smollm2_as_its_own_forward_does(smollm2, monk
     import torch
     from transformers import DynamicCache
 
-    import pqcache.fastpath.layer as decode_layer
     from pqcache import PQCache
+    from pqcache.engine.kernels import Kernels
     from pqcache.fastpath.layer import FastDecodeLayer
     from pqcache.serving.generate import decode_one_token, prefill
 
@@ -104,8 +104,8 @@ def test_the_fast_decode_path_runs_smollm2_as_its_own_forward_does(smollm2, monk
         return torch.cat(out)
 
     def in_torch(on: bool):
-        monkeypatch.setattr(decode_layer, "NATIVE_STEP", not on)
         for layer in layers:
+            layer.forward.kernels = Kernels(native_step=not on)
             layer.forward.bind()
 
     fast = [layer.forward for layer in layers]

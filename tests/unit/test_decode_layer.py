@@ -5,6 +5,8 @@ torch step, with the same greedy tokens. SmolLM2's real weights: tests/model/tes
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -12,7 +14,7 @@ from transformers import DynamicCache
 import pqcache.fastpath.layer as decode_layer
 from pqcache import PQCache, PQCacheConfig, native
 from pqcache.engine.full_attention import full_attention_cache
-from pqcache.engine.layer import onerow
+from pqcache.engine.kernels import Kernels
 from pqcache.fastpath.install import install_fast_decode
 from pqcache.fastpath.layer import FastDecodeLayer
 from pqcache.fastpath.weights import install_decode_weights
@@ -70,14 +72,14 @@ def _fast_steps(model) -> int:
 )
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_fast_decode_layer_is_bit_identical_to_the_models_forward(monkeypatch, make_cache, kind, arch):
-    monkeypatch.setattr(decode_layer, "NATIVE_STEP", False)  # the step in torch (the C step: test_native_step_...)
+def test_fast_decode_layer_is_bit_identical_to_the_models_forward(make_cache, kind, arch):
     model = _tiny(arch)
     assert install_decode_weights(model, kind) == 7 * len(model.model.layers)
     ids = torch.randint(1, 96, (1, 70), generator=torch.Generator().manual_seed(3))
+    in_torch = Kernels(native_step=False)  # the step in torch (the C step: test_native_step_...)
     with torch.no_grad():
         ref = _decode(model, make_cache(model), ids)
-        assert install_fast_decode(model) == len(model.model.layers)
+        assert install_fast_decode(model, in_torch) == len(model.model.layers)
         assert install_fast_decode(model) == 0  # installed once
         got = _decode(model, make_cache(model), ids)
     assert _fast_steps(model) == 8 * len(model.model.layers)  # every decode step, no prefill chunk
@@ -89,7 +91,7 @@ def test_fast_decode_layer_is_bit_identical_to_the_models_forward(monkeypatch, m
     "arch, prompt_tokens, kv_heads",
     [("gemma3", n, h) for n in (10, 23, 24, 70) for h in (2, 4)] + [(a, 70, 2) for a in ARCHS[1:]],
 )
-def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch, arch, prompt_tokens, kv_heads):
+def test_one_row_decode_step_is_bit_identical_to_the_models_forward(arch, prompt_tokens, kv_heads):
     """The step without the model's forward (fastpath/step.py) against the layers' short forward inside the model's
     forward: the same logits from contexts shorter than the sliding window (24 tokens: its mask, which the step
     does not pass, is all ones either way) to longer ones, with grouped query heads and without, for full
@@ -97,17 +99,16 @@ def test_one_row_decode_step_is_bit_identical_to_the_models_forward(monkeypatch,
     runs too, with the same logits again and the same records as the observed model's forward (its layers' spans,
     block hits, sampled attention and recall). The layers' step in torch (in C: the next test), the picks' values
     copied as the general step copies them (the observed layers take it)."""
-    monkeypatch.setattr(decode_layer, "NATIVE_STEP", False)
-    monkeypatch.setattr(onerow, "VALUES_IN_PLACE", False)
+    kernels = Kernels(native_step=False, values_in_place=False)
     model = _tiny(arch, seed=2, kv_heads=kv_heads)
     install_decode_weights(model)
-    install_fast_decode(model)
+    install_fast_decode(model, kernels)
     step = model.fast_decode_step
     ids = torch.randint(1, 96, (1, prompt_tokens), generator=torch.Generator().manual_seed(prompt_tokens))
     for pq, make_cache in (
         (False, lambda: DynamicCache(config=model.config)),
-        (True, lambda: PQCache(model, FULL_BUDGET)),
-        (True, lambda: PQCache(model, SMALL_BUDGET)),
+        (True, lambda: PQCache(model, replace(FULL_BUDGET, kernels=kernels))),
+        (True, lambda: PQCache(model, replace(SMALL_BUDGET, kernels=kernels))),
     ):
         with torch.no_grad():
             model.fast_decode_step = None
@@ -190,7 +191,7 @@ def test_native_attention_reads_a_half_window_as_float32_rows_of_the_same_number
     "arch, prompt_tokens, kv_heads",
     [("gemma3", n, h) for n in (10, 70) for h in (1, 2, 4)] + [(a, 70, h) for a in ARCHS[1:] for h in (1, 4)],
 )
-def test_native_step_is_close_to_the_torch_step_with_the_same_tokens(monkeypatch, arch, prompt_tokens, kv_heads):
+def test_native_step_is_close_to_the_torch_step_with_the_same_tokens(arch, prompt_tokens, kv_heads):
     """The layers' one-token step in C (layer_step.c) against the same step in torch, on the same int8 products:
     logits within 1e-4 (summation orders differ, and the int16 rounding of the next product can turn a last-bit
     difference into 1e-5), the same greedy tokens, for full attention (the keys of a window shorter and longer
@@ -204,10 +205,9 @@ def test_native_step_is_close_to_the_torch_step_with_the_same_tokens(monkeypatch
     )
     logits = {}
     for in_c in (False, True):
-        monkeypatch.setattr(decode_layer, "NATIVE_STEP", in_c)
         model = _tiny(arch, seed=4, kv_heads=kv_heads)
         install_decode_weights(model)
-        install_fast_decode(model)
+        install_fast_decode(model, Kernels(native_step=in_c))
         assert all((layer.forward.native is not None) == in_c for layer in model.model.layers)
         with torch.no_grad():
             logits[in_c] = [_decode(model, make(model), ids, n=12) for make in makers]
@@ -303,10 +303,9 @@ def test_a_sliding_layers_step_in_one_call_equals_three(monkeypatch, kv_dtype, k
     monkeypatch.setattr(decode_layer.FastDecodeLayer, "_window_step", counted)
     runs = {}
     for one_call in (True, False):
-        monkeypatch.setattr(decode_layer, "WINDOW_STEP", one_call)
         model = _tiny("gemma3", seed=6, kv_heads=kv_heads)
         install_decode_weights(model)
-        install_fast_decode(model)
+        install_fast_decode(model, Kernels(window_step=one_call))
         cache = PQCache(model, cfg)
         with torch.no_grad():
             runs[one_call] = (_decode(model, cache, ids, n=80), cache)  # 80 steps: the window's buffer moves

@@ -5,13 +5,14 @@ picks as one without it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig, native
 from pqcache.engine import pq
-from pqcache.engine.layer import onerow
-from pqcache.engine.methods import pqcache as method
+from pqcache.engine.kernels import Kernels
 from pqcache.engine.methods.base import combine_rows, select_top, topk_positions
 from pqcache.native import pq_step as native_step
 from pqcache.native import select
@@ -129,7 +130,6 @@ def test_the_selection_does_not_depend_on_the_thread_count():
 def test_a_decode_with_the_native_selection_keeps_torchs_tokens_and_picks(arch, monkeypatch, m, bits, fused):
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
     cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, n_init=4, kmeans_iters=5, m=m, bits=bits)
-    monkeypatch.setattr(onerow, "FUSED", fused)
     owner, name = (native_step, "pq_step") if fused else (select, "pq_top")
     taken, real = [], getattr(owner, name)
 
@@ -140,9 +140,9 @@ def test_a_decode_with_the_native_selection_keeps_torchs_tokens_and_picks(arch, 
     monkeypatch.setattr(owner, name, counted)
     runs, model = [], tiny_model(arch)
     for native_select in (True, False):
-        monkeypatch.setattr(method, "NATIVE_SELECT", native_select)
+        kernels = Kernels(fused=fused, native_select=native_select)
         with torch.no_grad():
-            cache = PQCache(model, cfg)
+            cache = PQCache(model, replace(cfg, kernels=kernels))
             seq, scores = greedy_generate(model, ids, cache, n=10)
         runs.append((seq, scores, [_picked(*layer.last_selection) for layer in cache.pq_layers]))
     assert len(taken) == 9 * len(cache.pq_layers)  # the native run's steps took it, the other's did not

@@ -4,12 +4,14 @@ tokens and picks, scores within float32 rounding."""
 
 import collections
 import contextlib
+from dataclasses import replace
 
 import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
-from pqcache.engine.layer import blockcache, onerow
+from pqcache.engine.kernels import Kernels
+from pqcache.engine.layer import onerow
 from tests.tiny import fork_answer, greedy_generate, tiny_model
 
 SMALL = dict(n_init=4, kmeans_iters=5, bits=4)
@@ -73,10 +75,9 @@ def _same_layers(a, b):
 
 @pytest.mark.parametrize("setting", list(CONFIGS))
 def test_one_row_step_equals_the_general_step(arch, setting, monkeypatch):
-    monkeypatch.setattr(onerow, "VALUES_IN_PLACE", False)  # the picks' values copied, as the general step does
     model = tiny_model(arch)
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
-    cfg = CONFIGS[setting]
+    cfg = replace(CONFIGS[setting], kernels=Kernels(values_in_place=False))  # the picks' values copied, as attend's
     seq, scores, cache, taken = _run(model, ids, cfg, True, monkeypatch)
     ref_seq, ref_scores, ref_cache, ref_taken = _run(model, ids, cfg, False, monkeypatch)
     n_pq = len(cache.pq_layers)
@@ -94,11 +95,10 @@ def test_one_row_step_after_a_question_chunk_on_a_fork(monkeypatch, in_place):
     exact), then the answer's decode steps (one-row path), equal to the same steps without it; with the picks'
     values read in place (from both parts of the fork's tier), the same tokens and picks, logits within float32
     rounding."""
-    monkeypatch.setattr(onerow, "VALUES_IN_PLACE", in_place)
     model = tiny_model("gemma3")
     g = torch.Generator().manual_seed(3)
     doc, question = torch.randint(1, 96, (1, 320), generator=g), torch.randint(1, 96, (1, 9), generator=g)
-    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, **SMALL)
+    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, kernels=Kernels(values_in_place=in_place), **SMALL)
 
     def answer(one_row: bool):
         with _one_row(monkeypatch, one_row) as taken:
@@ -159,11 +159,11 @@ def test_block_cache_and_observer_keep_the_general_steps_books(arch, in_place, m
     timeline spans; values read in place: scores within float32 rounding, and no span for a copy that does not
     happen (only the block cache's admissions are copies). The block cache holds copies here, as on a GPU (a CPU's
     keeps its books only: the next test)."""
-    monkeypatch.setattr(onerow, "VALUES_IN_PLACE", in_place)
-    monkeypatch.setattr(blockcache, "COPIES_ON_A_CPU", True)
+    kernels = Kernels(values_in_place=in_place, block_copies_on_cpu=True)
     model = tiny_model(arch)
     ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(11))
-    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, block_size=8, block_cache_tokens=48, **SMALL)
+    blocks = dict(block_size=8, block_cache_tokens=48)
+    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, kernels=kernels, **blocks, **SMALL)
     seq, scores, cache, taken, got = _observed(model, ids, cfg, True, monkeypatch)
     ref_seq, ref_scores, ref_cache, ref_taken, want = _observed(model, ids, cfg, False, monkeypatch)
     n_pq = len(cache.pq_layers)
@@ -190,7 +190,7 @@ def test_block_cache_and_observer_keep_the_general_steps_books(arch, in_place, m
     for a, b in zip(got["recall"], want["recall"], strict=True):
         torch.testing.assert_close(a["topk_recall"], b["topk_recall"], rtol=1e-4, atol=1e-4)
     assert _lanes(got) == _lanes(want)  # a "copy to device" span a step: the general step's copies, here admissions
-    no_blocks = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, **SMALL)
+    no_blocks = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, kernels=kernels, **SMALL)
     *_, taken, records = _observed(model, ids, no_blocks, True, monkeypatch)
     lanes = _lanes(records)
     assert taken == 11 * n_pq and not any(lane == "copy to device" for lane, _ in lanes)  # nothing was copied
@@ -206,8 +206,8 @@ def test_a_cpus_block_cache_keeps_the_books_of_one_that_copies(one_row, monkeypa
     ids = torch.randint(1, 96, (1, 400), generator=torch.Generator().manual_seed(11))
     cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, block_size=8, block_cache_tokens=48, **SMALL)
     seq, scores, books, _, got = _observed(model, ids, cfg, one_row, monkeypatch)
-    monkeypatch.setattr(blockcache, "COPIES_ON_A_CPU", True)
-    ref_seq, ref_scores, copies, _, want = _observed(model, ids, cfg, one_row, monkeypatch)
+    cfg_copies = replace(cfg, kernels=Kernels(block_copies_on_cpu=True))
+    ref_seq, ref_scores, copies, _, want = _observed(model, ids, cfg_copies, one_row, monkeypatch)
     assert torch.equal(seq, ref_seq) and torch.equal(scores, ref_scores)
     assert sum(layer.counters["hits"] for layer in books.pq_layers) > 0
     for x, y in zip(books.pq_layers, copies.pq_layers, strict=True):
@@ -246,12 +246,11 @@ def test_values_read_in_place_keep_the_general_steps_tokens_and_picks(arch, sett
         sums.append(args[5][0].shape[1] if attention == "native" else args[1].shape[2])  # picks per KV head
         return real_sums(*args)
 
-    monkeypatch.setattr(onerow, "NATIVE_ATTENTION", attention == "native")
-    monkeypatch.setattr(onerow, "FUSED", False)  # the attention's own call (the fused one: tests/unit/test_pq_step.py)
     monkeypatch.setattr(owner, name, counted)
     model = tiny_model(arch)
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
-    cfg = CONFIGS[setting]
+    # the attention's own call (the fused one: tests/unit/test_pq_step.py)
+    cfg = replace(CONFIGS[setting], kernels=Kernels(native_attention=attention == "native", fused=False))
     seq, scores, cache, taken = _run(model, ids, cfg, True, monkeypatch)
     ref_seq, ref_scores, ref_cache, _ = _run(model, ids, cfg, False, monkeypatch)
     assert taken == 11 * len(cache.pq_layers) == len(sums) and min(sums) > 0  # every step summed its picks in place

@@ -3,32 +3,39 @@
 bit-identical scores, the same picks, tiers, codes and counters; on a fork (the app's shape: a document's tier
 shared, the answer's own) and under the app's kind of observer too."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
+from pqcache.engine.kernels import Kernels
 from pqcache.engine.layer import onerow
 from tests.tiny import fork_answer, greedy_generate, tiny_model
 from tests.unit.test_onerow import CONFIGS, SMALL, _same_layers
 
 
-def _counted(monkeypatch, fused: bool) -> list:
-    """FUSED on or off; the list each fused step appends to."""
+def _fused(cfg: PQCacheConfig, fused: bool) -> PQCacheConfig:
+    """cfg with the fused step on or off."""
+    return replace(cfg, kernels=Kernels(fused=fused))
+
+
+def _counted(monkeypatch) -> list:
+    """The list each fused step appends to."""
     taken, real = [], onerow._fused
 
     def counted(*args, **kwargs):
         taken.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(onerow, "FUSED", fused)
     monkeypatch.setattr(onerow, "_fused", counted)
     return taken
 
 
 def _greedy(model, ids, cfg, fused: bool, monkeypatch, observe: bool = False):
-    taken = _counted(monkeypatch, fused)
+    taken = _counted(monkeypatch)
     with torch.no_grad():
-        cache = PQCache(model, cfg)
+        cache = PQCache(model, _fused(cfg, fused))
         obs = cache.instrument(timeline=True, attention_every=2, recall_every=3) if observe else None
         seq, scores = greedy_generate(model, ids, cache, n=12)
     return seq, scores, cache, len(taken), obs and obs.to_dict()
@@ -80,8 +87,8 @@ def test_fused_step_on_a_fork_reads_both_parts_of_its_tier(monkeypatch):
     cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, n_local=8, **SMALL)
 
     def answer(fused: bool):
-        taken = _counted(monkeypatch, fused)
-        return *fork_answer(model, cfg, doc, question, 16), len(taken)
+        taken = _counted(monkeypatch)
+        return *fork_answer(model, _fused(cfg, fused), doc, question, 16), len(taken)
 
     tokens, logits, fork, taken = answer(True)
     ref_tokens, ref_logits, ref_fork, ref_taken = answer(False)
@@ -114,11 +121,11 @@ def test_fused_step_keeps_the_observers_records(monkeypatch):
 def _second_turn(model, cfg, fused: bool, monkeypatch):
     """A document prefilled, its PQ built, then a user turn long enough for codebooks of its own (a second segment),
     then 10 greedy steps -> (tokens, last logits, cache, fused steps taken)."""
-    taken = _counted(monkeypatch, fused)
+    taken = _counted(monkeypatch)
     g = torch.Generator().manual_seed(5)
     doc, turn = torch.randint(1, 96, (1, 300), generator=g), torch.randint(1, 96, (1, 40), generator=g)
     with torch.no_grad():
-        cache = PQCache(model, cfg)
+        cache = PQCache(model, _fused(cfg, fused))
         model(doc, cache=cache)
         cache.wait()
         logits = model(turn, cache=cache).logits[:, -1:]

@@ -112,3 +112,24 @@ def test_the_check_finds_a_default_written_again(tmp_path):
     planted = tmp_path / "planted.py"
     planted.write_text("def serve(pq_timeout_s: float = 120.0, name='x'):\n    pass\n", encoding="utf-8")
     assert list(literal_defaults(planted)) == [(1, "pq_timeout_s", 120.0)]
+
+
+def test_the_kernels_are_one_setting_passed_whole():
+    """Which decode kernels run is one value (engine/kernels.py), passed where it is used: no module of pqcache holds
+    a switch of its own (a module-level True or False that a caller would patch), and the value travels whole
+    through a config's plain data (a replica's view of a document rebuilds its config from it)."""
+    from dataclasses import asdict
+
+    from pqcache.engine.kernels import Kernels
+
+    switches = []
+    for path in sorted((ROOT / "pqcache").rglob("*.py")):
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant):
+                if isinstance(node.value.value, bool):
+                    switches += [f"{path.relative_to(ROOT)}: {ast.unparse(node)}"]
+    assert switches == []
+    kernels = Kernels(fused=False, native_select=False, block_copies_on_cpu=True)
+    config = PQCacheConfig(token_budget=0.2, kernels=kernels)
+    assert PQCacheConfig(**asdict(config)) == config
+    assert PQCacheConfig(**asdict(config)).kernels == kernels

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from pqcache import PQCache, PQCacheConfig
+from pqcache.engine.kernels import Kernels
 from pqcache.engine.layer import onerow
 from pqcache.engine.sources import AttentionTally
 from pqcache.serving.generate import decode_n_tokens, prefill
@@ -36,11 +37,9 @@ def _tally(model, ids, method: str, cfg: PQCacheConfig, n_doc: int, steps: int =
 def test_at_a_full_budget_pqcache_tallies_full_attentions_exact_weights(arch, path, monkeypatch):
     if path == "general":
         monkeypatch.setattr(onerow, "ready", lambda layer, query: False)
-    elif path == "one-row torch":
-        monkeypatch.setattr(onerow, "NATIVE_ATTENTION", False)
     model = tiny_model(arch)
     ids = torch.randint(1, 96, (1, 170), generator=torch.Generator().manual_seed(3))
-    cfg = PQCacheConfig(token_budget=1.0, **SMALL)
+    cfg = PQCacheConfig(token_budget=1.0, kernels=Kernels(native_attention=path != "one-row torch"), **SMALL)
     full = _tally(model, ids, "full", cfg, n_doc=160)
     pq = _tally(model, ids, "pqcache", cfg, n_doc=160)
     forwards = 1 + (6 - 1)  # the question chunk, then a step for each answer token but the last
@@ -49,15 +48,14 @@ def test_at_a_full_budget_pqcache_tallies_full_attentions_exact_weights(arch, pa
     assert float(full.received.sum()) > 0 and int(pq.missed.sum()) == 0
 
 
-def test_each_steps_weights_sum_to_its_query_heads(monkeypatch):
+def test_each_steps_weights_sum_to_its_query_heads():
     """Every query head's softmax sums to 1: a tally of one step's weights alone (not weighed by the values) that
     attended only to document tokens adds up to the number of query heads, on every path (what falls on the
     question and answer tokens is not counted)."""
     model = tiny_model("llama")
     ids = torch.randint(1, 96, (1, 161), generator=torch.Generator().manual_seed(4))
     for native in (True, False):
-        monkeypatch.setattr(onerow, "NATIVE_ATTENTION", native)
-        cfg = PQCacheConfig(token_budget=0.3, **SMALL)
+        cfg = PQCacheConfig(token_budget=0.3, kernels=Kernels(native_attention=native), **SMALL)
         tally = _tally(model, ids, "pqcache", cfg, n_doc=160, steps=1, by_value=False)
         heads = model.config.num_attention_heads
         layers = tally.steps

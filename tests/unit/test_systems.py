@@ -9,7 +9,7 @@ from pqcache import PQCache, PQCacheConfig
 from pqcache.engine import pq
 from pqcache.engine.errors import PQCacheConfigError
 from pqcache.engine.full_attention import full_attention_cache
-from pqcache.engine.layer import blockcache, onerow
+from pqcache.engine.kernels import Kernels
 from pqcache.engine.layer.blockcache import BlockCache
 from pqcache.engine.layer.host import HostTier
 from tests.tiny import greedy_generate, tiny_model
@@ -17,13 +17,12 @@ from tests.tiny import greedy_generate, tiny_model
 SMALL = dict(n_init=4, kmeans_iters=5, bits=4, block_size=16, block_cache_tokens=64, block_admit=2)
 
 
-def test_instrumentation_leaves_outputs_unchanged(monkeypatch):
+def test_instrumentation_leaves_outputs_unchanged():
     # the block cache copies its blocks, as on a GPU: each lane of the timeline then has spans (a CPU's copies
     # nothing, and the one-row step reads the picks in place: no "copy to device" at all, tests/unit/test_onerow.py)
-    monkeypatch.setattr(blockcache, "COPIES_ON_A_CPU", True)
     model = tiny_model("llama")
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(0))
-    cfg = PQCacheConfig(token_budget=0.2, **SMALL)
+    cfg = PQCacheConfig(token_budget=0.2, kernels=Kernels(block_copies_on_cpu=True), **SMALL)
     with torch.no_grad():
         seq_off, scores_off = greedy_generate(model, ids, PQCache(model, cfg), n=8)
         cache = PQCache(model, cfg)
@@ -231,15 +230,15 @@ def test_block_cache_default_is_off_on_a_cpu_and_on_elsewhere():
     assert explicit.pq_layers[0].window.blocks is not None and explicit.pq_layers[0].stats["hits"] >= 0
 
 
-def test_block_cache_serves_hits_with_the_right_data(monkeypatch):
+def test_block_cache_serves_hits_with_the_right_data():
     # without a block cache the one-row step runs: with the picks' values copied, as the general step does, so
-    # that the two are bit-identical (values summed in place: tests/unit/test_onerow.py)
-    monkeypatch.setattr(onerow, "VALUES_IN_PLACE", False)
-    monkeypatch.setattr(blockcache, "COPIES_ON_A_CPU", True)  # a CPU's cache keeps its books only (test_onerow.py)
+    # that the two are bit-identical (values summed in place: tests/unit/test_onerow.py); a CPU's block cache keeps
+    # its books only unless asked for copies (test_onerow.py)
+    kernels = Kernels(values_in_place=False, block_copies_on_cpu=True)
     model = tiny_model("mistral")
     ids = torch.randint(1, 96, (1, 600), generator=torch.Generator().manual_seed(3))
-    cfg_on = PQCacheConfig(token_budget=0.2, **SMALL)
-    cfg_off = PQCacheConfig(token_budget=0.2, **{**SMALL, "block_cache_tokens": 0})
+    cfg_on = PQCacheConfig(token_budget=0.2, kernels=kernels, **SMALL)
+    cfg_off = PQCacheConfig(token_budget=0.2, kernels=kernels, **{**SMALL, "block_cache_tokens": 0})
     with torch.no_grad():
         seq_on, scores_on = greedy_generate(model, ids, cache_on := PQCache(model, cfg_on), n=10)
         seq_off, scores_off = greedy_generate(model, ids, PQCache(model, cfg_off), n=10)

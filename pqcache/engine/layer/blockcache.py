@@ -10,7 +10,7 @@ On a CPU the device tier is host memory: a copy of a block there is a second cop
 two blocks a step cost about 1.2 ms a layer of an 8K decode step of the bundled model (a tenth of the step). There
 the cache keeps its books only (holds_values=False): the same look-ups, hits, misses, admissions and evictions, which
 are what a device's block cache would serve, and no copies (the step reads every pick in the host tier, as it does
-without a block cache). COPIES_ON_A_CPU makes it copy anyway (the tests compare the two).
+without a block cache). Kernels(block_copies_on_cpu=True) makes it copy anyway (the tests compare the two).
 
 Shapes: B rows, H KV heads, n slots of `bs` tokens, D head_dim, k retrieved tokens.
 """
@@ -20,12 +20,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-COPIES_ON_A_CPU = False  # a CPU's block cache holds copies of its blocks too (the tests switch it on)
 
-
-def holds_copies(device) -> bool:
-    """Whether a block cache on `device` (a torch.device or its type) holds copies of its blocks: not on a CPU."""
-    return getattr(device, "type", device) != "cpu" or COPIES_ON_A_CPU
+def holds_copies(device, kernels) -> bool:
+    """Whether a block cache on `device` (a torch.device or its type) holds copies of its blocks: not on a CPU,
+    unless the kernels ask for them (engine/kernels.py)."""
+    return getattr(device, "type", device) != "cpu" or kernels.block_copies_on_cpu
 
 
 class BlockCache:

@@ -41,11 +41,6 @@ from pqcache.native import KV_KINDS
 from pqcache.native import pq_step as native_step
 from pqcache.native import select as native_select
 
-VALUES_IN_PLACE = True  # the picks' values read in place (the tests switch it off to compare with the general step)
-NATIVE_ATTENTION = True  # ...and the whole attention in one C call (native/select.attend_picks) on a CPU
-FUSED = True  # ...and with it the selection, in the same C call (native/pq_step), where nothing is recorded
-FILE_IN_STEP = True  # ...and the new token filed in that call too (off: in a call of its own, as under an observer)
-
 
 def ready(layer, query: torch.Tensor) -> bool:
     """Whether `layer`'s step for query (B, Hq, Q, D) can take this path (checked after the method's prepare)."""
@@ -90,7 +85,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
 
     # the step's budget and candidates (what PQLayer.select's view reads)
     k = layer.topk_counts()[0]
-    if FUSED and _fusable(layer, query, softcap, new_valid):
+    if config.kernels.fused and _fusable(layer, query, softcap, new_valid):
         # window.candidates() less its tail (the window's last tokens: never candidates), a view
         cand = host.searchable[0, : max(0, S - window.n_local[0])]
         wide = first_stage_count(config, k, int(torch.count_nonzero(cand)))
@@ -109,11 +104,11 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
         mode = config.gqa_combine
         top, top_valid = search(index, qs, cand, [wide], mode)
         if wide != k:
-            top, top_valid, scores = rerank_exact(host, qs, top, top_valid, [k], mode)
+            top, top_valid, scores = rerank_exact(host, qs, top, top_valid, [k], config)
 
     kk, lo = top.shape[2], window.n_init + window.L
     _, hit = window.look_up(top, top_valid)  # the block cache's books (it holds copies of host values)
-    in_place = VALUES_IN_PLACE and scores is not None and softcap is None and host.reads_in_place
+    in_place = config.kernels.values_in_place and scores is not None and softcap is None and host.reads_in_place
     with layer.span("copy to device") if not in_place or window.holds_blocks else nullcontext():
         if not in_place:  # the picks into the buffer after the sinks and ring (values only when re-ranked)
             window.ensure(kk, 1)
@@ -149,9 +144,10 @@ def _fusable(layer, query, softcap, new_valid) -> bool:
     steps below call one by one, on the same operands (methods/pqcache.search's and rerank_exact's native paths,
     _attend_in_place's), with nothing recorded per token and no block cache to keep books for."""
     host, window, index = layer.host, layer.window, layer.method_state["index"]
+    kernels = layer.config.kernels
     return (
-        NATIVE_ATTENTION
-        and VALUES_IN_PLACE
+        kernels.native_attention
+        and kernels.values_in_place
         and softcap is None
         and layer.tally is None
         and window.blocks is None
@@ -176,7 +172,7 @@ def _fused(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> t
     lo = window.n_init + window.L
     window.ensure(0, 1)  # the new token goes into the buffer's first free slot, after the sinks and ring
     observed = layer.obs is not None
-    alone = observed or not FILE_IN_STEP
+    alone = observed or not layer.config.kernels.file_in_step
     token = None if alone else _token(layer, index)  # (the room it makes may move the stores: first)
     host.sync()
     S0, own = host.S0, host.own_k is not None
@@ -237,7 +233,12 @@ def _attend_in_place(layer, q, lo: int, picks, k_new, v_new, new_valid, scaling:
     window, host = layer.window, layer.host
     _, H, G, D = q.shape
     kk = top.shape[2]
-    if NATIVE_ATTENTION and window.k.device.type == "cpu" and window.k.dtype in KV_KINDS and q.dtype == torch.float32:
+    if (
+        layer.config.kernels.native_attention
+        and window.k.device.type == "cpu"
+        and window.k.dtype in KV_KINDS
+        and q.dtype == torch.float32
+    ):
         # one C call: the new token goes into the buffer's first free slot, after the sinks and ring
         window.ensure(0, 1)
         window.k[:, :, lo], window.v[:, :, lo] = k_new[:, :, 0], v_new[:, :, 0]

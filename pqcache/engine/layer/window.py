@@ -64,8 +64,18 @@ class DeviceWindow:
         # at most a quarter of the prefill: a device tier as large as the context would defeat the purpose
         capacity = min(config.block_cache_for(self.device), S // 4 // config.block_size * config.block_size)
         if capacity >= config.block_size:  # on a CPU its books only (blockcache.py: the tiers are the same memory)
-            self.blocks = BlockCache(B, host.H, host.D, host.compute_dtype, self.device, config.block_size, capacity,
-                                     config.block_admit, policy, holds_values=holds_copies(self.device))  # fmt: skip
+            self.blocks = BlockCache(
+                B,
+                host.H,
+                host.D,
+                host.compute_dtype,
+                self.device,
+                config.block_size,
+                capacity,
+                config.block_admit,
+                policy,
+                holds_values=holds_copies(self.device, config.kernels),
+            )
 
     def ensure(self, k: int, q: int):
         """Grow the buffer when the top-k or the chunk outgrows it (the sinks and ring are kept)."""

@@ -29,8 +29,6 @@ from pqcache.engine.methods.base import (
 from pqcache.engine.methods.estimate import estimate_and_cut, exact_scores_at
 from pqcache.native import select as native_select
 
-NATIVE_SELECT = True  # the selection in C where it can (native/select.py); tests switch it off to compare with torch
-
 
 @dataclass
 class PQCacheMethod(ScoreMethod):
@@ -83,7 +81,7 @@ class PQCacheMethod(ScoreMethod):
         if wide != ks:  # not single stage, and the budget does not cover the candidates
             exact = exact_scores_at(view.host, q, top) if estimating else None
             known = (top, valid, exact)
-            picked = rerank_exact(view.host, q, top, valid, ks, view.config.gqa_combine, exact)
+            picked = rerank_exact(view.host, q, top, valid, ks, view.config, exact)
             top, valid, view.state[PICKED_SCORES] = picked
         if estimating:
             approx = approx_scores(view.state["index"], q)
@@ -128,7 +126,11 @@ def searches_natively(index: PQIndex, rows: int) -> bool:
     head), where torch's per-tuple pass would not serve better: with one sub-space pq_select.c works per code
     itself, faster than that pass (0.10 against 0.24 ms a layer at 2K tokens, 0.32 against 0.36 at 8K: SmolLM2, 3 KV
     heads, ad hoc), and than per token in C. layer/onerow.py's fused step reads the index as this path does."""
-    in_c = NATIVE_SELECT and len(index.segments) == 1 and native_select.usable(index.segments[0][1], rows)
+    in_c = (
+        index.config.kernels.native_select
+        and len(index.segments) == 1
+        and native_select.usable(index.segments[0][1], rows)
+    )
     return in_c and (not _by_tuples(index) or index.codes.shape[2] == 1)
 
 
@@ -145,17 +147,20 @@ def first_stage_count(config, k: int, n_cand: int) -> int:
     return min(max(config.rerank * k, floor), n_cand)
 
 
-def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], mode: str, exact=None):
+def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], config, exact=None):
     """The second stage: exact q.k of the PQ candidates top (B, H, k') picks the final k of each row,
     under the same GQA combine. It runs where the keys live (the host tier): only the query goes
     there and only positions and the picks' scores come back -> positions (B, H, k), validity (B, H, k) and
     the picks' exact scores (B, H, k, R) on the device. With those scores the step needs only the picks'
-    values: their keys are never fetched (half the bytes host to device). host: the layer's HostTier.
-    exact: the candidates' exact scores (B, H, k', R) on the host, when the caller has them already."""
+    values: their keys are never fetched (half the bytes host to device). host: the layer's HostTier; config: the
+    PQCacheConfig (its GQA combine, and whether the kernels select in C). exact: the candidates' exact scores
+    (B, H, k', R) on the host, when the caller has them already."""
     kw = top.shape[2]
     exact = exact_scores_at(host, q, top) if exact is None else exact  # (B, H, k', R) on the host
-    ok = valid.to(host.host)
-    if NATIVE_SELECT and native_select.usable(exact, exact.shape[3]):  # ties to the earliest of top, as below
+    ok, mode = valid.to(host.host), config.gqa_combine
+    if config.kernels.native_select and native_select.usable(
+        exact, exact.shape[3]
+    ):  # ties to the earliest of top, as below
         pick, pick_valid = native_select.combined_top(exact, ok, ks, min(max(ks), kw), mode)
     else:
         combined = combine_rows(exact, ok, mode)  # (B, H, k'); top is in position order, so ties go to the earliest
