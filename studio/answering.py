@@ -8,12 +8,18 @@ import time
 
 import gradio as gr
 
+from pqcache import InputError
 from pqcache.serving.answer import step_ms
-from studio.common import describe, notices
-from studio.panels import PANEL_EVERY_S
-from studio.sources import chat_quotes
+from pqcache.serving.settings import answer_observer, check_question
+from studio.common import describe, notices, user_of
+from studio.panels import PANEL_EVERY_S, PanelFeeds
+from studio.sources import chat_quotes, document_view
+from studio.sources import choices as source_choices
+from studio.state import Studio
+from studio.status import WAIT_S, StatusBook
 from studio.threadwork import ThreadWork
 
+NO_DOCUMENT = "Load a document first."
 CHAT_EVERY_S = 0.3  # the streamed answer is sent at most this often
 ENDINGS = {  # why an answer ended (Answer.ended), as the chat says it
     "eos": "the model ended it",
@@ -85,3 +91,96 @@ def stream_answer(ask, session, chat, method, max_new_tokens, stop, obs, feed, o
     if getattr(answer, "reread_s", 0.0):  # the load kept no queries, which this method starts from
         status += f"; {method} read the document again for its prefill queries first ({answer.reread_s:.1f} s)"
     yield chat, status + notices(session.last_stats) + (more(answer) if more else ""), *feed.figures()
+
+
+class Answers:
+    """Asking: the user's question answered within their conversation, streamed with the live panels; the last
+    answer's sources kept for the document view. A question asked while the document loads waits for it."""
+
+    def __init__(self, studio: Studio, status: StatusBook, panels: PanelFeeds, conversation):
+        self.studio, self.documents = studio, studio.documents
+        self.status, self.panels, self.conversation = status, panels, conversation
+        self.kept: dict[str, tuple[str, dict]] = {}  # user -> (document text, the last answer's sources)
+
+    def ask(self, question, chat, method, max_new_tokens, layer, request: gr.Request):
+        """Stream the answer (the chat names the method) and refresh the panels whose data changed. Yields the
+        chat, the timing line, the panels, the question box (emptied by the first update: the question moves into
+        the chat) and, with the answer, its sources to click."""
+        box, user = "", user_of(request)
+        self.kept.pop(user, None)
+        sources = gr.update(choices=[], value=None, visible=False)  # the last answer's go with it, whatever follows
+        try:
+            check_question(question or "", self.studio.server.max_question_chars)
+        except InputError as exc:  # the question stays in its box, to be shortened
+            yield list(chat or []), f"**Error:** {describe(exc)}", *(gr.skip(),) * 5, gr.skip(), sources
+            return
+        for out in self._ask(question, chat, method, max_new_tokens, layer, user):
+            kept = self.kept.get(user)  # set as the answer ended, right before its last update
+            if kept is None:
+                yield *out, box, sources
+                sources = gr.skip()
+            else:
+                labels = source_choices(kept[1].get("sources") or [])
+                yield *out, box, gr.update(choices=labels, value=None, visible=bool(labels))
+            box = gr.skip()
+
+    def show_source(self, index, show_missed, request: gr.Request):
+        """The document view for source `index` of the user's last answer: the passage outlined, the attended
+        tokens shaded, and (show_missed) the exact top-k tokens the search missed underlined."""
+        text, answer = self.kept.get(user_of(request), ("", {}))
+        return document_view(text, answer, index, bool(show_missed))
+
+    def forget(self, user: str):
+        self.kept.pop(user, None)
+
+    def _ask(self, question, chat, method, max_new_tokens, layer, user):
+        chat = list(chat or [])
+        feed, skip = self.panels.of(user), (gr.skip(),) * 5
+        if not question or not question.strip():
+            yield chat, "Type a question.", *skip
+            return
+        chat.append({"role": "user", "content": question})
+        with self.documents.use(user) as entry:  # busy: the service will not evict this document meanwhile
+            load = self.status.loading.get(user)
+            if load is not None:
+                yield from self._wait_for(load, chat)
+            session, freed = self.status.active(user)
+            if session is None:  # evicted, freed, or never loaded: tell them, keep the page working
+                failed = f" The load said: {load.error}" if load is not None and load.error else ""
+                chat.append({"role": "assistant", "content": (freed or NO_DOCUMENT) + failed})
+                feed.show(None)
+                yield chat, "", *feed.figures()
+                return
+            stop = entry.stop
+            stop.clear()
+            obs = answer_observer()
+            feed.show(session, obs, method, layer=layer)
+
+            def keep(answer):  # what the document view shows of this answer
+                keys = ("sources", "attended", "missed", "tokens")
+                kept = {k: list(getattr(answer, k, None) or []) for k in keys}
+                self.kept[user] = (getattr(session, "doc_text", ""), {**kept, "method": method})
+
+            def ask(**kw):  # within the user's conversation, where their document lives
+                return self.documents.ask(user, question, method, **kw)
+
+            def said(_answer):  # after the timing line: what the conversation now holds
+                return self.conversation.line(user)
+
+            yield from stream_answer(ask, session, chat, method, int(max_new_tokens), stop, obs, feed, keep, said)
+
+    @staticmethod
+    def _wait_for(load, chat):
+        """While the document loads: a line in the chat saying the question waits for it, with its progress."""
+        chat.append({"role": "assistant", "content": ""})
+        shown = None
+        while not load.done.is_set():
+            text = (
+                f"*Waiting for **{load.name}** to finish loading ({100 * load.fraction:.0f} %); "
+                "then this question goes to it.*"
+            )
+            if text != shown:
+                chat[-1]["content"] = shown = text
+                yield chat, "waiting for the document", *(gr.skip(),) * 5
+            load.done.wait(WAIT_S)
+        chat.pop()

@@ -10,18 +10,23 @@ import gradio as gr
 
 from pqcache import Cancelled
 from pqcache.serving.documents import read_document
+from pqcache.serving.service import DocumentsService
 from studio.common import describe, user_of
-from studio.status import document_name
+from studio.status import StatusBook, document_name
 from studio.threadwork import ThreadWork
 
 NO_CONVERSATION = "Load a document first: a conversation is about a document."
 
 
-class ConversationHandlers:
+class ConversationControls:
     """New conversation, Add to the conversation, and the line saying what the user's conversation holds."""
 
-    def conversation_line(self, user: str) -> str:
-        state = self.pool.conversation_state(user)
+    def __init__(self, documents: DocumentsService, status: StatusBook):
+        self.documents, self.status = documents, status
+
+    def line(self, user: str) -> str:
+        """What the user's conversation holds, for the end of the timing line ("" without one)."""
+        state = self.documents.conversation_state(user)
         if state is None:
             return ""
         asked = state["asked"]
@@ -36,7 +41,7 @@ class ConversationHandlers:
     def new_conversation(self, request: gr.Request):
         """Back to the document: the chat empties, the document's prefill is kept."""
         user = user_of(request)
-        self.pool.new_conversation(user)
+        self.documents.new_conversation(user)
         session, _ = self.status.active(user)
         if session is None:
             return [], NO_CONVERSATION
@@ -53,13 +58,13 @@ class ConversationHandlers:
             yield gr.skip(), NO_CONVERSATION
             return
         name = document_name(file, pasted)
-        entry = self.pool.entry(user)
+        entry = self.documents.entry(user)
         entry.stop.clear()
         adding = self.status.start(user, name, adding=True)
         job = None
         try:
             yield self.status.line(user), ""
-            with self.pool.use(user):
+            with self.documents.use(user):
 
                 def work(post):
                     def progress(fraction, step):
@@ -67,7 +72,7 @@ class ConversationHandlers:
                         post(1)
 
                     text = read_document(file, pasted, encoding=None if encoding in (None, "", "utf-8") else encoding)
-                    return self.pool.add_document(user, name, text, method, entry.stop, progress=progress)
+                    return self.documents.add_document(user, name, text, method, entry.stop, progress=progress)
 
                 with ThreadWork(work, entry.stop, "pqcache-add") as job:
                     for line in self.status.lines_while(user, job):
@@ -81,4 +86,4 @@ class ConversationHandlers:
             yield self.status.line(user), ""
             return
         added = f"Added **{name}** ({job.value:,} tokens) to the conversation: ask about it"
-        yield self.status.line(user), added + self.conversation_line(user) + "."
+        yield self.status.line(user), added + self.line(user) + "."

@@ -153,3 +153,19 @@ def placeholders(device: str = "cpu") -> tuple:
         figures.timeline({}, device, WINDOWS["last 5 s"]),
         figures.memory(None),
     )
+
+
+class PanelFeeds:
+    """Each user's PanelFeed, made when the user first needs one; gone with the user."""
+
+    def __init__(self, device: str = "cpu"):
+        self.device = device  # "cpu" or "cuda": where the model that the panels watch runs
+        self.by_user: dict[str, PanelFeed] = {}
+
+    def of(self, user: str) -> PanelFeed:
+        if user not in self.by_user:
+            self.by_user[user] = PanelFeed(self.device)
+        return self.by_user[user]
+
+    def forget(self, user: str):
+        self.by_user.pop(user, None)

@@ -136,17 +136,22 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
                 stop_btn = gr.Button("Stop", variant="stop", elem_id="stop")
             with gr.Row():  # follow-ups see the earlier turns until a new conversation (studio/conversing.py)
                 new_talk = gr.Button("New conversation", size="sm", elem_id="new-conversation")
-                add_doc = gr.Button("Add the attached file (or pasted text) to the conversation", size="sm",
-                                    elem_id="add-document")  # fmt: skip
+                add_doc = gr.Button(
+                    "Add the attached file (or pasted text) to the conversation", size="sm", elem_id="add-document"
+                )
             gen_status = gr.Markdown("", elem_id="gen-status")
             sources = gr.Radio(
-                [], type="index", label="Sources of the last answer: click one to see it in the document",
-                visible=False, elem_id="sources",
-            )  # fmt: skip
+                [],
+                type="index",
+                label="Sources of the last answer: click one to see it in the document",
+                visible=False,
+                elem_id="sources",
+            )
             show_missed = gr.Checkbox(
-                False, label="also mark the exact top-k tokens the search missed (PQCache; sampled steps)",
+                False,
+                label="also mark the exact top-k tokens the search missed (PQCache; sampled steps)",
                 elem_id="show-missed",
-            )  # fmt: skip
+            )
             doc_view = gr.HTML(document_view("", {}, None), elem_id=VIEW_ID)
         with gr.Column(scale=3):
             with gr.Row():
@@ -158,7 +163,7 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
                     elem_id="layer",
                 )
                 window = gr.Radio(list(WINDOWS), value="last 5 s", label="Timeline", elem_id="timeline-window")
-            empty = placeholders(tab.device)
+            empty = placeholders(tab.panels.device)
             with gr.Row():
                 p_power = gr.Plot(empty[0], label="attention power law", show_label=False, elem_id="panel-power")
                 p_recall = gr.Plot(empty[1], label="recall", show_label=False, elem_id="panel-recall")
@@ -173,9 +178,9 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     one_progress = dict(show_progress="minimal", show_progress_on=[status])  # the status line is the progress
     for button in (load, sample):  # at once, in the browser: the status line says the load has begun
         button.click(None, None, [status], js=f"() => {json.dumps(STARTING)}", queue=False, api_name=False)
-    remembered = dict(fn=tab.remember, inputs=[listing], outputs=[listing, listed], api_name=False)
+    remembered = dict(fn=tab.your_documents.remember, inputs=[listing], outputs=[listing, listed], api_name=False)
     # the sample's example questions belong to the sample: shown while it is the active document
-    examples_shown = dict(fn=tab.examples_shown, outputs=[examples_box], api_name=False, show_progress="hidden")
+    examples_shown = dict(fn=tab.loader.examples_shown, outputs=[examples_box], api_name=False, show_progress="hidden")
     kept_where = dict(fn=tab.loaded_here, outputs=[loaded_on], api_name=False, show_progress="hidden")
 
     def after_load(event):
@@ -184,24 +189,39 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
         event.then(**examples_shown).then(**kept_where).then(**remembered)
 
     loading = dict(outputs=shown, **one_progress, **model_work)
-    after_load(load.click(tab.load_document, [file, pasted, *settings], api_name="load_document", **loading))
-    after_load(sample.click(tab.load_sample, settings, api_name="load_sample", **loading))
-    reopened = reopen.click(tab.reopen, [listed, listing, *settings], api_name="reopen_document", **loading)
-    after_load(reopened.then(tab.resumed, [listed, method], [chat, gen_status], api_name=False, **model_work))
-    forget.click(tab.forget, [listed, listing], [listing, listed], api_name="delete_document", concurrency_limit=None)
+    after_load(load.click(tab.loader.load_document, [file, pasted, *settings], api_name="load_document", **loading))
+    after_load(sample.click(tab.loader.load_sample, settings, api_name="load_sample", **loading))
+    reopened = reopen.click(
+        tab.your_documents.reopen, [listed, listing, *settings], api_name="reopen_document", **loading
+    )
+    after_load(
+        reopened.then(tab.your_documents.resumed, [listed, method], [chat, gen_status], api_name=False, **model_work)
+    )
+    forget.click(
+        tab.your_documents.forget,
+        [listed, listing],
+        [listing, listed],
+        api_name="delete_document",
+        concurrency_limit=None,
+    )
     for trigger in (file.change, pasted.change):
         trigger(load_label, [file, pasted], [load], queue=False, show_progress="hidden", api_name=False)
     asking = [question, chat, method, max_new, layer]
     # the chat shows a queued question's place ("queue: 1/2") in its corner, then the elapsed time
     answer = dict(show_progress="minimal", show_progress_on=[chat], **model_work)
     for trigger, api in ((ask_btn.click, "ask"), (question.submit, False)):
-        trigger(tab.ask, asking, [chat, gen_status, *plots, question, sources], api_name=api, **answer)
+        trigger(tab.answers.ask, asking, [chat, gen_status, *plots, question, sources], api_name=api, **answer)
     # a source clicked: the document view, scrolled to it in the browser once drawn (no model slot needed)
     for control, api in ((sources.input, "show_source"), (show_missed.input, False)):
-        control(
-            tab.show_source, [sources, show_missed], [doc_view], api_name=api, concurrency_limit=None,
+        shown_in_view = control(
+            tab.answers.show_source,
+            [sources, show_missed],
+            [doc_view],
+            api_name=api,
+            concurrency_limit=None,
             show_progress="hidden",
-        ).then(None, None, None, js=SCROLL_JS, api_name=False)  # fmt: skip
+        )
+        shown_in_view.then(None, None, None, js=SCROLL_JS, api_name=False)
     # Stop needs no model slot (concurrency_limit=None): it is never stuck behind a load or an answer; its reply
     # goes to a hidden box (the load or the answer says "stopping" on the page)
     stopped = gr.Markdown(visible=False, elem_id="stop-reply")
@@ -211,9 +231,11 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     unload.click(tab.unload_document, None, shown, api_name="unload_document", concurrency_limit=None).then(
         **examples_shown
     )
-    new_talk.click(tab.new_conversation, None, [chat, gen_status], api_name="new_conversation", **model_work)
+    new_talk.click(
+        tab.conversation.new_conversation, None, [chat, gen_status], api_name="new_conversation", **model_work
+    )
     add_doc.click(
-        tab.add_to_conversation,
+        tab.conversation.add_to_conversation,
         [file, pasted, encoding, method],
         [status, gen_status],
         api_name="add_document",
@@ -230,7 +252,7 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
     # a hidden box, whose change (only when the server freed this user's document, or restarted since the page's
     # load: studio/ui.py) updates the line
     notice = gr.Markdown(visible=False, elem_id="notice")
-    timer.tick(tab.pool_notice, None, [notice], api_name="notice", concurrency_limit=None, show_progress="hidden")
+    timer.tick(tab.server_notice, None, [notice], api_name="notice", concurrency_limit=None, show_progress="hidden")
     notice.change(lambda line: line, [notice], [status], api_name=False, queue=False, show_progress="hidden")
     timer.tick(tab.server_line, None, [server], api_name=False, concurrency_limit=None, show_progress="hidden")
     gr.api(tab.server_status, api_name="server_status", concurrency_limit=None)

@@ -92,10 +92,10 @@ PROGRESS_EVERY_S = 1.0  # a load's progress is sent to the page at most this oft
 
 
 class StatusBook:
-    """Per user: the load in progress and the last load's message; the active document is the pool's."""
+    """Per user: the load in progress and the last load's message; the active document is the service's."""
 
-    def __init__(self, pool, slot: str = "qa"):
-        self.pool, self.slot = pool, slot
+    def __init__(self, documents, slot: str = "qa"):
+        self.documents, self.slot = documents, slot  # the documents service (serving/service.py)
         self.loading: dict[str, Loading] = {}
         self.said: dict[str, str] = {}  # the last load's error or stop message, until the next load
         self.lock = threading.Lock()
@@ -124,7 +124,7 @@ class StatusBook:
     def active(self, user: str):
         """(the active session or None, why the server freed it or None)."""
         try:
-            return self.pool.session(user, self.slot), None
+            return self.documents.session(user, self.slot), None
         except PQCacheError as exc:  # evicted or reaped: say so
             return None, sentence(str(exc))
 
@@ -149,7 +149,7 @@ class StatusBook:
                 parts.append(f"Still active: **{name}** ({session.n_tokens} tokens); questions go to it.")
             else:
                 parts.append(loaded_line(session))
-            state = self.pool.conversation_state(user)
+            state = self.documents.conversation_state(user)
             if state and state["added"]:  # every document the conversation holds, named where the document is
                 parts.append(
                     f"The conversation holds **{getattr(session, 'name', 'the document')}** and, added: "

@@ -32,7 +32,7 @@ def build_ui(studio: Studio) -> gr.Blocks:
         # script driving the page (the browser tests) knows the fields it types into are not reset after that
         quiet = dict(api_name=False, show_progress="hidden")
         opening = demo.load(lambda: cost(*DEFAULT), None, cost_outputs, **quiet)
-        opening = opening.then(qa.shown_list, [listing], [listed], **quiet)
+        opening = opening.then(qa.your_documents.shown_list, [listing], [listed], **quiet)
         opening = opening.then(qa.restarted, [loaded_on], [notice, loaded_on], **quiet)
         opening.then(None, None, None, js=OPENED_JS, **quiet)
         demo.unload(qa.end_user)  # a closed tab frees its caches

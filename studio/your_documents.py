@@ -17,6 +17,9 @@ import gradio as gr
 from pqcache.serving.settings import LoadSettings
 from studio.answering import literal
 from studio.common import describe, user_of
+from studio.qa_load import DocumentLoader
+from studio.state import Studio
+from studio.status import StatusBook
 
 MAX_LISTED = 20  # documents a browser lists, the most recent first
 NONE_YET = "Documents you load are listed here, to reopen without reading them again."
@@ -60,12 +63,17 @@ def choices(listing) -> dict:
     return gr.update(choices=labels, value=None, info=SOME if entries else NONE_YET)
 
 
-class DocumentListHandlers:
-    """QATab's handlers of the Your documents list (they use its studio, pool, status book and _load)."""
+class YourDocuments:
+    """The Your documents list: the documents this browser loaded (kept in the browser), reopened from the store
+    with their last conversation, or deleted from it."""
+
+    def __init__(self, studio: Studio, status: StatusBook, loader: DocumentLoader):
+        self.studio, self.documents = studio, studio.documents
+        self.status, self.loader = status, loader
 
     def remember(self, listing, request: gr.Request):
         """After a load: the active document at the top of this browser's list, when the store holds it."""
-        session = self.pool.session(user_of(request))
+        session = self.documents.session(user_of(request))
         key = getattr(session, "store_key", None)
         entries = [e for e in _clean(listing) if e["key"] != key]
         if key:
@@ -114,7 +122,7 @@ class DocumentListHandlers:
             return
         form = (method, m, bits, budget, n_init, n_local, policy, capacity, encoding, too_long, mass, completion)
         settings = LoadSettings(*form)
-        yield from self._load(user, entry["name"], lambda enc: text, settings)
+        yield from self.loader.load(user, entry["name"], lambda enc: text, settings)
 
     def resumed(self, key, method, request: gr.Request):
         """After a reopen: the conversation kept with that document (its last one for the method) back in the chat,
@@ -124,7 +132,7 @@ class DocumentListHandlers:
         if session is None or getattr(session, "store_key", None) != key:
             return gr.skip(), gr.skip()  # the reopen failed: the chat stays as it was
         try:
-            state = self.pool.resume_conversation(user, method)
+            state = self.documents.resume_conversation(user, method)
         except Exception as exc:  # an unreadable record, a Stop: the document stays, a new conversation starts
             return [], f"**Error:** the kept conversation could not be read back ({describe(exc)}); a new one starts."
         if state is None:

@@ -25,7 +25,7 @@ def user(name: str):
 
 
 def told(notice):
-    """pool_notice's reply when it has something to tell (a status line), else None (it skipped)."""
+    """server_notice's reply when it has something to tell (a status line), else None (it skipped)."""
     return notice if isinstance(notice, str) else None
 
 
@@ -57,15 +57,15 @@ def tab(docs):
 
 
 def feed_tokens(tab, name):
-    return tab.pool.session(name).n_tokens
+    return tab.documents.session(name).n_tokens
 
 
 def load(tab, who, text=SHORT, **settings):
-    return outputs(tab.load_document(None, text, *LoadSettings(**settings).values(), request=who))[-1][0]
+    return outputs(tab.loader.load_document(None, text, *LoadSettings(**settings).values(), request=who))[-1][0]
 
 
 def ask(tab, who, max_new=8):
-    chat, status, *panels, _ = outputs(tab.ask("what is w3?", [], "pqcache", max_new, None, request=who))[-1]
+    chat, status, *panels, _ = outputs(tab.answers.ask("what is w3?", [], "pqcache", max_new, None, request=who))[-1]
     return chat[-1]["content"], status
 
 
@@ -86,7 +86,7 @@ def test_two_users_land_on_different_replicas_and_stay_there(tab, docs):
     home = docs.homes["ann"]  # what crosses the boundary is plain data (no tensors, no engine objects)
     reply = home.replica.call("document", "ann", home.incarnation, None)
     assert json.loads(json.dumps(reply))["view"]["n_tokens"] == feed_tokens(tab, "ann") > 0
-    feed = tab.feed("ann")  # the panels' data came across: the prefill's and the answer's records
+    feed = tab.panels.of("ann")  # the panels' data came across: the prefill's and the answer's records
     assert feed.session.prefill_obs.events and feed.obs.events
     assert feed.obs.t0 != feed.session.prefill_obs.t0  # on the replica's clock, the answer after the prefill
     assert "Loaded **" in tab.status.line("ann") and "the active document" in tab.status.line("ann")
@@ -107,7 +107,7 @@ def test_stop_reaches_the_replica_during_a_load(tab, docs):
     # the replicas idle first: a load that waits for a model slot shows that, and may then run whole between two of
     # the page's updates (at most one a second) before Stop is pressed
     wait_for(lambda: tab.server_status()["busy"] == 0)
-    loading = tab.load_document(None, LONG, *LoadSettings().values(), request=dan)
+    loading = tab.loader.load_document(None, LONG, *LoadSettings().values(), request=dan)
     # the replica's progress streams back: once the prefill has begun, press Stop
     seen = []
 
@@ -132,12 +132,12 @@ def test_a_killed_replica_unloads_its_users_documents_only(tab, docs):
     assert victim != survivor
     os.kill(docs.replicas[victim].call("hello")["pid"], signal.SIGKILL)  # the replica's process dies
     # eve's page is told by its notice poll (as after an eviction), and her question says so too
-    notice = wait_for(lambda: told(tab.pool_notice(eve)))
+    notice = wait_for(lambda: told(tab.server_notice(eve)))
     assert "Your document was unloaded" in notice and "load it again" in notice
     answer, _ = ask(tab, eve)
     assert answer.startswith("Your document was unloaded: the worker holding it") and "load it again" in answer
     # fay, on the other replica, is not affected
-    assert told(tab.pool_notice(fay)) is None and docs.replica_of("fay") == survivor
+    assert told(tab.server_notice(fay)) is None and docs.replica_of("fay") == survivor
     assert ask(tab, fay)[1].startswith("pqcache: ")
     # eve loads again: on a live replica, and it answers
     assert load(tab, eve).startswith("Loaded **")

@@ -88,11 +88,11 @@ def test_a_removed_node_loses_no_document_and_no_turn(nodes, model_dir):
     assert status.startswith("pqcache: ") and answer.split("\n\n*")[0] == expected[lost][1]
     assert "conversation: " in status and "(turns 1-2;" in status  # 0 turns lost
     assert docs.replica_of(lost) not in (None, on_worker[0])
-    notice = wait_for(lambda: told(tab.pool_notice(who_lost)))
+    notice = wait_for(lambda: told(tab.server_notice(who_lost)))
     assert "stopped; it was reopened on replica" in notice and "read from the document store, no prefill" in notice
     assert "your conversation came back with it (1 question(s))" in notice
     assert "Read from the document store in **" in notice  # then the status line of the reopened document
-    assert told(tab.pool_notice(who_lost)) is None  # said once
-    assert ask(tab, who_kept)[0].split("\n\n*")[0] == expected[kept][1] and told(tab.pool_notice(who_kept)) is None
+    assert told(tab.server_notice(who_lost)) is None  # said once
+    assert ask(tab, who_kept)[0].split("\n\n*")[0] == expected[kept][1] and told(tab.server_notice(who_kept)) is None
     for name in ("ann", "bob"):
         tab.end_user(user(name))

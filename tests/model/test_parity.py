@@ -24,13 +24,13 @@ def app_answers(model, tok, document: Path) -> dict:
     from studio.qa import QATab
 
     tab = QATab(Studio(model, tok, SessionPool(max_bytes=2**30, idle_s=None)))
-    *_, loaded = tab.load_document(str(document), "", *LoadSettings().values(), request=USER)
+    *_, loaded = tab.loader.load_document(str(document), "", *LoadSettings().values(), request=USER)
     assert loaded[0].startswith("Loaded"), loaded[0]
     out = {}
     for method in METHODS:
-        *_, last = tab.ask(QUESTION, [], method, 24, "5", request=USER)
+        *_, last = tab.answers.ask(QUESTION, [], method, 24, "5", request=USER)
         chat = last[0]
-        out[method] = (chat[-1]["content"].split("\n\n*")[0], tab.answers[USER.session_hash][1])
+        out[method] = (chat[-1]["content"].split("\n\n*")[0], tab.answers.kept[USER.session_hash][1])
     tab.studio.pool.close()
     return out
 

@@ -23,10 +23,12 @@ def app_load(real_model):
     def load(name, text):
         try:  # the handler yields the status line while it loads: the last one says how it ended
             return list(
-                qa.load_document(None, text, *LoadSettings().values(), request=types.SimpleNamespace(session_hash=name))
+                qa.loader.load_document(
+                    None, text, *LoadSettings().values(), request=types.SimpleNamespace(session_hash=name)
+                )
             )[-1][0]
         finally:
-            qa.pool.end(name)
+            qa.documents.end(name)
 
     return load
 

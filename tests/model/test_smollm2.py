@@ -73,7 +73,7 @@ def test_the_qa_tab_loads_answers_and_follows_up_on_smollm2(smollm2):
 def outputs_of(tab, question, chat):
     from tests.unit.test_qa_tab import ANN, outputs
 
-    return outputs(tab.ask(question, chat, "pqcache", 16, None, request=ANN))[-1][0]
+    return outputs(tab.answers.ask(question, chat, "pqcache", 16, None, request=ANN))[-1][0]
 
 
 def test_the_fast_decode_path_runs_smollm2_as_its_own_forward_does(smollm2):

@@ -40,11 +40,11 @@ def outputs(gen):
 
 
 def load(tab, file=None, text=TEXT):
-    return outputs(tab.load_document(file, text, *LoadSettings().values(), request=ANN))
+    return outputs(tab.loader.load_document(file, text, *LoadSettings().values(), request=ANN))
 
 
 def ask(tab, question="what is w3", max_new=4, method="pqcache"):
-    return outputs(tab.ask(question, [], method, max_new, None, request=ANN))
+    return outputs(tab.answers.ask(question, [], method, max_new, None, request=ANN))
 
 
 def test_load_shows_one_progress_line_then_names_the_active_document(tab):
@@ -85,9 +85,9 @@ def test_a_question_asked_while_loading_waits_for_the_document(tab, monkeypatch)
         return real_load(self, *args, **kwargs)
 
     monkeypatch.setattr(DocumentSession, "load", slow_load)
-    loading = tab.load_document(None, TEXT, *LoadSettings().values(), request=ANN)
+    loading = tab.loader.load_document(None, TEXT, *LoadSettings().values(), request=ANN)
     assert next(loading)[0].startswith("Loading **pasted text")
-    asking = tab.ask("what is w3", [], "pqcache", 4, None, request=ANN)
+    asking = tab.answers.ask("what is w3", [], "pqcache", 4, None, request=ANN)
     chat, status, *panels = next(asking)
     assert chat[0] == {"role": "user", "content": "what is w3"}  # the question stays in the chat
     assert chat[1]["content"].startswith("*Waiting for **pasted text (") and status == "waiting for the document"
@@ -103,7 +103,7 @@ def test_stop_during_a_load_keeps_the_earlier_document(tab, monkeypatch):
     """A Stop while a second document loads: the first stays active (named on the line) and answers; the pool
     freed nothing of it while the two coexisted, and counts only the first afterwards."""
     load(tab)
-    first = tab.pool.session("ann")
+    first = tab.documents.session("ann")
     bytes_before = tab.studio.pool.total_bytes()
     started, real_load = threading.Event(), DocumentSession.load
 
@@ -113,7 +113,7 @@ def test_stop_during_a_load_keeps_the_earlier_document(tab, monkeypatch):
                 progress(fraction, message)
             if message.startswith("prefill"):
                 started.set()
-                assert tab.pool.session("ann") is first and first.cache is not None  # both are alive now
+                assert tab.documents.session("ann") is first and first.cache is not None  # both are alive now
                 assert tab.studio.pool.total_bytes() > bytes_before  # and both count under the cap
                 tab.stop_generation(request=ANN)
 
@@ -126,7 +126,7 @@ def test_stop_during_a_load_keeps_the_earlier_document(tab, monkeypatch):
     final = outs[-1][0]
     assert final.startswith("Stopped: the document was not loaded.")
     assert "Still active: **pasted text (" in final and "(300 tokens)" in final, final
-    assert tab.pool.session("ann") is first and first.cache is not None
+    assert tab.documents.session("ann") is first and first.cache is not None
     assert tab.studio.pool.total_bytes() == bytes_before
     assert ask(tab)[-1][1].startswith("pqcache: 4 tokens")  # the earlier document still answers
 
@@ -146,12 +146,14 @@ def test_a_failed_answer_leaves_no_sources_of_the_last_one(tab):
     """The word tokenizer gives no passages: the last answer's kept sources are planted as the page had them."""
     load(tab)
     ask(tab)
-    tab.answers["ann"] = (TEXT, {"sources": [{"start": 0, "end": 8, "share": 0.5, "text": TEXT[:8]}]})
+    tab.answers.kept["ann"] = (TEXT, {"sources": [{"start": 0, "end": 8, "share": 0.5, "text": TEXT[:8]}]})
     tab.unload_document(request=ANN)
     outs = ask(tab)
     assert outs[0][-1] == {"__type__": "update", "choices": [], "value": None, "visible": False}
     assert outs[-1][0][-1]["content"] == "Load a document first."
-    assert tab.show_source(0, False, request=ANN) == tab.show_source(None, False, request=ANN)  # nothing kept
+    assert tab.answers.show_source(0, False, request=ANN) == tab.answers.show_source(
+        None, False, request=ANN
+    )  # nothing kept
 
 
 def test_answers_name_the_method_and_questions_without_a_document_stay_in_the_chat(tab):
@@ -171,7 +173,7 @@ def test_stop_when_idle_keeps_the_last_timing_line(tab):
     load(tab)
     ask(tab)
     assert tab.stop_generation(request=ANN) == "nothing to stop"  # and the timing line is not touched
-    assert not tab.pool.entry("ann").stop.is_set()
+    assert not tab.documents.entry("ann").stop.is_set()
 
 
 def test_panels_are_redrawn_only_when_their_data_changed(tab):
@@ -179,7 +181,7 @@ def test_panels_are_redrawn_only_when_their_data_changed(tab):
     from studio.panels import PanelFeed
 
     load(tab)
-    session = tab.pool.session("ann")
+    session = tab.documents.session("ann")
     feed = PanelFeed("cpu")
     feed.show(session)
     first = feed.figures()
@@ -204,7 +206,7 @@ def test_while_tokens_stream_one_panel_is_redrawn_at_a_time(tab):
     from studio.panels import PanelFeed
 
     load(tab)
-    session, feed = tab.pool.session("ann"), PanelFeed("cpu")
+    session, feed = tab.documents.session("ann"), PanelFeed("cpu")
     feed.show(session)
     feed.figures()
     obs = Instrumentation(timeline=True, attention_every=1, recall_every=1)
@@ -226,11 +228,11 @@ def test_a_new_document_shows_its_own_memory_not_the_last_answers(tab):
     from studio.panels import stats_of
 
     load(tab)
-    session = tab.pool.session("ann")
+    session = tab.documents.session("ann")
     session.ask("what is w3", max_new_tokens=3)
     assert stats_of(session) is session.last_stats  # the answer's cache, with its tokens
     load(tab, text="w7 w8 w9 " * 40)  # the page's load: a new session for the new document
-    fresh = tab.pool.session("ann")
+    fresh = tab.documents.session("ann")
     assert fresh is not session and stats_of(fresh) == fresh.cache.stats()
     session.load("w7 w8 w9 " * 40)  # the Python API's: the same session reads another document
     assert session.last_stats is None and stats_of(session) == session.cache.stats()
@@ -272,25 +274,29 @@ def test_follow_ups_continue_one_conversation_until_a_new_one(tab):
     load(tab)
     first = ask(tab)[-1][1]
     assert "; conversation: " in first and "(turn 1; at most 1,024)" in first
-    talk = tab.pool.conversations[("ann", "chat")]
+    talk = tab.documents.conversations[("ann", "chat")]
     n_after_first = talk.n_tokens
     second = ask(tab, question="and w7")[-1][1]
-    assert "(turns 1-2;" in second and tab.pool.conversations[("ann", "chat")] is talk and talk.n_tokens > n_after_first
+    assert (
+        "(turns 1-2;" in second
+        and tab.documents.conversations[("ann", "chat")] is talk
+        and talk.n_tokens > n_after_first
+    )
     counted = tab.studio.pool.entry("ann").nbytes["qa"]
     assert counted > talk.session.nbytes()  # the conversation's growth counts under the cap
-    chat, line = tab.new_conversation(request=ANN)
+    chat, line = tab.conversation.new_conversation(request=ANN)
     assert chat == [] and line.startswith("A new conversation about **pasted text (")
     assert "turn 1;" in ask(tab)[-1][1]  # a fresh conversation on the same document, no prefill
     outs = ask(tab, method="h2o")
     assert any("The method is now h2o: a new conversation starts" in m["content"] for m in outs[-1][0])
-    assert tab.pool.conversations[("ann", "chat")].method == "h2o"
+    assert tab.documents.conversations[("ann", "chat")].method == "h2o"
     tab.unload_document(request=ANN)
-    assert ("ann", "chat") not in tab.pool.conversations
+    assert ("ann", "chat") not in tab.documents.conversations
 
 
 def add(tab, file=None, pasted=""):
     """Add to the conversation, as the page runs it: every (status line, timing line) it yields."""
-    return outputs(tab.add_to_conversation(file, pasted, "utf-8", "pqcache", request=ANN))
+    return outputs(tab.conversation.add_to_conversation(file, pasted, "utf-8", "pqcache", request=ANN))
 
 
 def test_a_document_added_to_the_conversation_is_read_once_and_asked_about(tab, tmp_path):
@@ -308,7 +314,7 @@ def test_a_document_added_to_the_conversation_is_read_once_and_asked_about(tab, 
     (tmp_path / "bin.txt").write_bytes(bytes(range(256)) * 4)
     status, said = add(tab, str(tmp_path / "bin.txt"))[-1]
     assert "**Error:** bin.txt looks like a binary file" in status and said == ""
-    assert len(tab.pool.conversations[("ann", "chat")].turns) == 3  # kept as it was
+    assert len(tab.documents.conversations[("ann", "chat")].turns) == 3  # kept as it was
 
 
 def test_a_conversation_past_the_models_context_says_so_and_offers_a_new_one(tab, tmp_path):
@@ -320,7 +326,7 @@ def test_a_conversation_past_the_models_context_says_so_and_offers_a_new_one(tab
     assert full.startswith("**Error:** this conversation holds 700 tokens") and "start a new conversation" in full
     chat = ask(tab)[-1][0]
     assert chat[-1]["content"].startswith("*") or "tokens in" in chat[-1]["content"]  # it still answers
-    tab.new_conversation(request=ANN)
+    tab.conversation.new_conversation(request=ANN)
     assert add(tab, str(big))[-1][1].startswith("Added")
 
 
@@ -361,26 +367,34 @@ def test_your_documents_lists_reopens_from_the_store_and_deletes(tmp_path):
     tab = QATab(Studio(tiny_model("llama"), WordTokenizer(), pool, ServerSettings(pq_timeout_s=60), store=store))
     try:
         load(tab)
-        listing, shown = tab.remember([], request=ANN)
+        listing, shown = tab.your_documents.remember([], request=ANN)
         (entry,) = listing
         assert entry["tokens"] == 300 and shown["choices"] == [(f"{entry['name']} (300 tokens)", entry["key"])]
         asked = ask(tab)[-1][0]  # a question about it: the conversation is kept beside it in the store
         load(tab, text=" ".join(f"v{i % 37}" for i in range(200)))
-        listing, _ = tab.remember(listing, request=ANN)
+        listing, _ = tab.your_documents.remember(listing, request=ANN)
         assert [e["tokens"] for e in listing] == [200, 300]  # the newest first
-        assert tab.resumed(entry["key"], "pqcache", request=ANN) == (gr.skip(), gr.skip())  # not the active one
-        lines = [out[0] for out in outputs(tab.reopen(entry["key"], listing, *LoadSettings().values(), request=ANN))]
+        assert tab.your_documents.resumed(entry["key"], "pqcache", request=ANN) == (
+            gr.skip(),
+            gr.skip(),
+        )  # not the active one
+        lines = [
+            out[0]
+            for out in outputs(tab.your_documents.reopen(entry["key"], listing, *LoadSettings().values(), request=ANN))
+        ]
         assert lines[-1].startswith("Loaded **300** tokens") and "Read from the document store" in lines[-1]
-        chat, line = tab.resumed(entry["key"], "pqcache", request=ANN)  # and its conversation with it
+        chat, line = tab.your_documents.resumed(entry["key"], "pqcache", request=ANN)  # and its conversation with it
         assert [m["content"] for m in chat] == [asked[-2]["content"], asked[-1]["content"].split("\n\n*")[0]]
         assert line.startswith("Reopened the conversation kept with this document (1 question(s))")
         assert "(turns 1-2;" in ask(tab, question="and w7")[-1][1]  # the next question is a follow-up
-        listing, _ = tab.remember(listing, request=ANN)
+        listing, _ = tab.your_documents.remember(listing, request=ANN)
         assert [e["tokens"] for e in listing] == [300, 200]
-        listing, shown = tab.forget(entry["key"], listing, request=ANN)
+        listing, shown = tab.your_documents.forget(entry["key"], listing, request=ANN)
         assert [e["tokens"] for e in listing] == [200] and not store.has(entry["key"])
-        gone = outputs(tab.reopen(entry["key"], [entry], *LoadSettings().values(), request=ANN))
+        gone = outputs(tab.your_documents.reopen(entry["key"], [entry], *LoadSettings().values(), request=ANN))
         assert len(gone) == 1 and gone[0][0].startswith("Loaded **300** tokens")  # still active, nothing reloaded
-        assert tab.remember([{"key": 3}, "junk"], request=ANN)[0][0]["tokens"] == 300  # a tampered list is cleaned
+        assert (
+            tab.your_documents.remember([{"key": 3}, "junk"], request=ANN)[0][0]["tokens"] == 300
+        )  # a tampered list is cleaned
     finally:
         pool.close()

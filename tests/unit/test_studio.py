@@ -25,9 +25,9 @@ def quiet(*args, **kwargs):
 
 # ---- the load form's settings ------------------------------------------------------------------------------
 def test_load_settings_are_the_form_in_the_order_of_the_endpoint():
-    from studio.qa import QATab
+    from studio.qa_load import DocumentLoader
 
-    params = list(inspect.signature(QATab.load_document).parameters)
+    params = list(inspect.signature(DocumentLoader.load_document).parameters)
     form = params[params.index("pasted") + 1 : params.index("request")]
     assert form == [f.name for f in fields(LoadSettings)]
     assert LoadSettings().values() == ["pqcache", 0, 0, 0.1, 32, 0, "lfu", 1024, "utf-8", "refuse", 0, False]
