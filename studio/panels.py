@@ -138,11 +138,6 @@ class PanelFeed:
                 out.append(draw[name]())
             return tuple(out)
 
-    def forget_drawn(self):
-        """The page was (re)built: everything is drawn again on the next call."""
-        with self.lock:
-            self.drawn.clear()
-
 
 def placeholders(device: str = "cpu") -> tuple:
     """The panels of a page with no document yet: each says what it will show."""

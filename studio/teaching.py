@@ -22,7 +22,6 @@ FACTS = {
     "the treasure is buried under": ("Where is the treasure buried?", "the third oak tree"),
     "the captain's cat is named": ("What is the name of the captain's cat?", "Pepper"),
 }
-TEACHING_FACTS = {fact: question for fact, (question, _) in FACTS.items()}
 SPOTLIGHT_COLORS = {"attended": "#F5A623", "the fact": "#9ecae1", "the fact, attended": "#E45756"}
 
 

@@ -18,6 +18,8 @@ from pathlib import Path
 from pqcache import native
 from pqcache.bench.e2e_turns import failure, run_in_turns, runner_env, spec_file
 from pqcache.engine.config import PQCacheConfig
+from pqcache.engine.errors import PQCacheConfigError
+from pqcache.eval.evaluate import method_spec
 from pqcache.fastpath.choices import DEFAULT_DECODE_WEIGHTS
 from pqcache.fastpath.dtype import available_cpus, dtype_name, resolve_dtype
 from pqcache.serving.home import DEFAULT_NAMES, SMOLLM2_NAMES
@@ -159,8 +161,10 @@ def summarize(seq_len: int, results: dict[str, list[dict]], llama_note: str | No
         elif runner == "llama.cpp" and llama_note:
             row["note"] = llama_note
         rows[runner] = row
-    llama, full = rows.get("llama.cpp"), rows.get("full")
+    llama, full, plain = rows.get("llama.cpp"), rows.get("full"), rows.get("pqcache")
     for row in rows.values():
+        if row["runner"].startswith("pqcache/") and plain and plain["decode_ms"] and row["decode_ms"]:
+            row["decode_vs_pqcache"] = round(row["decode_ms"] / plain["decode_ms"], 2)  # a variant's cost
         if row["runner"] != "llama.cpp" and llama and llama["prefill_tok_s"]:
             row["prefill_vs_llama"] = round(row["prefill_tok_s"] / llama["prefill_tok_s"], 2)
             row["decode_vs_llama"] = round(row["decode_ms"] / llama["decode_ms"], 2)
@@ -182,7 +186,12 @@ def describe(runner: str, common: dict) -> str:
         gguf = Path(common["gguf"]).name
         return f"{gguf}, n_threads={common['threads']}, n_batch=n_ubatch={common['n_batch']}, flash_attn"
     kv = common.get("config", {}).get("kv_dtype", "auto")
-    cache = f"DynamicCache, KV {kv}" if runner == "full" else f"PQCache defaults, KV {kv}"
+    variant = ", ".join(runner.split("/")[1:])
+    cache = (
+        f"DynamicCache, KV {kv}"
+        if runner == "full"
+        else f"PQCache defaults{' + ' + variant if variant else ''}, KV {kv}"
+    )
     weights = f"{common['dtype']}, {common['decode_weights']} decode weights"
     if common["decode_weights"] != "model":  # the runners' processes find the same build (pqcache/native)
         weights += " (native kernels)" if native.library() is not None else " (torch's kernels)"
@@ -190,27 +199,40 @@ def describe(runner: str, common: dict) -> str:
 
 
 def print_table(rows: list[dict]) -> None:
-    print("end to end: prefill tok/s, decode ms/token, peak RSS (MiB)")
-    print(f"{'tokens':>7} {'runner':>9} {'prefill':>8} {'decode':>7} {'MiB':>6} {'pre/llama':>9} {'dec/llama':>9} same")
+    print("end to end: prefill tok/s, decode ms/token, peak RSS (MiB); a PQCache variant's decode against PQCache's")
+    w = max([9, *(len(r["runner"]) for r in rows)])
+    header = f"{'tokens':>7} {'runner':>{w}} {'prefill':>8} {'decode':>7} {'MiB':>6} {'pre/llama':>9} {'dec/llama':>9}"
+    print(f"{header} {'dec/pq':>6} same")
     for r in rows:
         if r["prefill_tok_s"] is None:
-            print(f"{r['seq_len']:>7} {r['runner']:>9}  {r.get('error') or r.get('note', '')}")
+            print(f"{r['seq_len']:>7} {r['runner']:>{w}}  {r.get('error') or r.get('note', '')}")
             continue
         print(
-            f"{r['seq_len']:>7} {r['runner']:>9} {r['prefill_tok_s']:>8} {r['decode_ms']:>7} "
+            f"{r['seq_len']:>7} {r['runner']:>{w}} {r['prefill_tok_s']:>8} {r['decode_ms']:>7} "
             f"{r['peak_rss_bytes'] / 2**20:>6.0f} {r.get('prefill_vs_llama', '-'):>9} "
-            f"{r.get('decode_vs_llama', '-'):>9} {r.get('tokens_as_full', '-')}"
+            f"{r.get('decode_vs_llama', '-'):>9} {r.get('decode_vs_pqcache', '-'):>6} {r.get('tokens_as_full', '-')}"
         )
         if r.get("error"):  # some turns failed, the others gave the figures
-            print(f"{'':>17} a turn failed: {r['error']}")
+            print(f"{'':>{w + 8}} a turn failed: {r['error']}")
 
 
 def cli_e2e(args) -> int:
     """`python -m pqcache bench e2e ...` (flags in pqcache/cli/args.py)."""
+    runners = [r.strip() for r in (args.runners or ",".join(RUNNERS)).split(",") if r.strip()]
+    asked = [f"mass={args.mass}"] * (args.mass is not None) + ["completion=true"] * args.completion
+    if asked:  # beside the plain PQCache runner: its ratio is the cost of the estimate
+        runners.append("/".join(["pqcache", *asked]))
+    try:
+        for runner in runners:
+            if runner.startswith("pqcache/"):
+                method_spec(runner, PQCacheConfig())
+    except (ValueError, PQCacheConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     rows = bench_e2e(
         model=args.model,
         seq_lens=args.seq_lens or SEQ_LENS,
-        runners=tuple(r.strip() for r in (args.runners or ",".join(RUNNERS)).split(",") if r.strip()),
+        runners=tuple(dict.fromkeys(runners)),
         dtype=args.dtype,
         decode_weights=args.decode_weights,
         kv_dtype=args.kv_dtype,

@@ -58,6 +58,7 @@ def torch_runner(spec: dict):
     import torch
 
     from pqcache.engine.config import PQCacheConfig
+    from pqcache.eval.evaluate import method_spec
     from pqcache.fastpath.choices import DEFAULT_DECODE_WEIGHTS
     from pqcache.serving.generate import decode_one_token, make_cache, prefill
     from pqcache.serving.loading import load_model
@@ -70,8 +71,7 @@ def torch_runner(spec: dict):
         decode_weights=spec.get("decode_weights", DEFAULT_DECODE_WEIGHTS),
         progress=lambda *_: None,
     )
-    method = spec["runner"]
-    config = PQCacheConfig(**spec.get("config", {}))
+    method, config = method_spec(spec["runner"], PQCacheConfig(**spec.get("config", {})))  # a variant's settings
     chunk = spec.get("chunk_tokens")
     state = {}
 

@@ -174,12 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
             "app",
             "conversation",
             "store",
-        ],  # fmt: skip
+        ],
     )
     b.add_argument("--seq-lens", type=lambda t: [int(x) for x in t.split(",")], default=None)
     b.add_argument("--repeats", type=int, default=None)
     b.add_argument("--shapes", choices=["llama", "gemma"], default="llama", help="decode: head shapes")
     add_engine_flags(b, ("m", "bits", "rerank"))  # attention's
+    add_engine_flags(b, ("mass", "completion"))  # e2e: a PQCache runner with them, beside the plain one
     b.add_argument("--new-tokens", type=int, default=None, help="blockcache (256), conversation (16): tokens generated")
     b.add_argument("--turns", type=int, default=6, help="conversation: turns on one read of the document")
     b.add_argument("--model", default="default", help="ttft, blockcache, conversation, store: the model")
@@ -198,7 +199,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--gguf", default=None, help="e2e: llama.cpp's GGUF (default: the bundled model's)")
     b.add_argument("--alone", action="store_true", help="e2e: each runner alone, not decoding in turns with the others")
     b.add_argument(
-        "--runners", default=None, help="e2e (llama.cpp,full,pqcache), app (app,session,generate,llama.cpp): runners"
+        "--runners",
+        default=None,
+        help="e2e (llama.cpp,full,pqcache; a variant such as pqcache/completion=true/mass=0.95 too), app "
+        "(app,session,generate,llama.cpp): runners",
     )
     b.add_argument("--json", action="store_true", help='print one object {"rows": [...]}')
 

@@ -78,3 +78,30 @@ def test_failure_says_how_a_process_ended():
     assert e2e.failure(0, "not json", "").startswith("exited without printing its row")
     many = "\n".join(f"line {i}" for i in range(20))
     assert e2e.failure(1, "", many).endswith("line 14 | line 15 | line 16 | line 17 | line 18 | line 19")
+
+
+def test_a_pqcache_variant_runs_beside_the_plain_one(tmp_path, capsys):
+    """`bench e2e --completion` (or a runner named pqcache/completion=true): the variant's row beside plain PQCache's,
+    its decode time against PQCache's in the same run, its tokens against full attention's; a bad variant is one
+    line and exit code 2, before any runner starts."""
+    from types import SimpleNamespace
+
+    from tests.tiny import tiny_chat_model
+
+    model, tok = tiny_chat_model()
+    model.save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    runners = ("full", "pqcache", "pqcache/completion=true/token_budget=0.5")
+    rows = e2e.bench_e2e(model=str(tmp_path), seq_lens=[300], runners=runners, decode_tokens=4, isolate=False)
+    by = {r["runner"]: r for r in rows}
+    assert set(by) == set(runners) and not any("error" in r for r in rows)
+    variant, plain = by[runners[2]], by["pqcache"]
+    assert variant["decode_vs_pqcache"] == round(variant["decode_ms"] / plain["decode_ms"], 2)
+    assert "decode_vs_pqcache" not in plain and variant["tokens_as_full"] <= len(by["full"]["tokens"])
+    assert "completion=true" in variant["settings"]
+    e2e.print_table(rows)
+    assert "dec/pq" in capsys.readouterr().out
+
+    args = SimpleNamespace(runners="full,pqcache/completion=maybe", mass=None, completion=False)
+    assert e2e.cli_e2e(args) == 2
+    assert "completion" in capsys.readouterr().err
