@@ -234,6 +234,13 @@ class PQCache(Cache):
         total["notices"] = [layer.fallback for layer in self.pq_layers if layer.fallback]
         return total
 
+    def attended_per_step(self) -> float | None:
+        """Stored tokens attended a step by each KV head of the PQ layers, on average over the layers (sinks, window
+        and picks: PQLayer.attended_per_step); None before a step. The budget's count for a fixed top-k; fewer
+        with a budget in mass."""
+        counts = [n for n in (layer.attended_per_step() for layer in self.pq_layers) if n is not None]
+        return sum(counts) / len(counts) if counts else None
+
     def fork(self, method: str | Method, config: PQCacheConfig | None = None) -> PQCache:
         """A copy of this prefilled cache that continues with another method (and optionally other
         settings): comparing N methods costs one prefill. The host tier is shared read-only, the rest

@@ -173,6 +173,7 @@ def run_case(
                 "prefill_s": round(prefill_s, 3),
                 "read_from": read_from,
                 "decode_s": round(decode_s, 3),
+                "attended": _rounded(cache.attended_per_step()),  # stored tokens a step, a KV head of a PQ layer
                 "tokens": tokens,
                 **case_sources.row_fields(case["context"], spans, tally, evidence),
             }
@@ -180,6 +181,17 @@ def run_case(
         cache.close()
     base.close()
     return rows
+
+
+def _rounded(x: float | None) -> float | None:
+    return None if x is None else round(x, 1)
+
+
+def _mean_attended(group: list[dict]) -> dict:
+    """{"attended": the mean stored tokens attended a step} over the rows that say it (a row of a case that did not
+    run says nothing); {} when none does."""
+    counts = [r["attended"] for r in group if r.get("attended") is not None]
+    return {"attended": round(sum(counts) / len(counts), 1)} if counts else {}
 
 
 def marked_rows(case: dict, methods: list[str], **why) -> list[dict]:
@@ -214,6 +226,7 @@ def summarize(rows: list[dict], group_by: list[str] | None = None, by_dataset: b
                 "score": round(100 * sum(r["score"] for r in group) / len(group), 1),
                 "at_max": sum(r.get("ended") == "max_new_tokens" for r in group),
                 "repeating": sum(bool(r.get("repeating")) for r in group),
+                **_mean_attended(group),
                 **case_sources.hit_rate(group),
             }
         )

@@ -234,3 +234,24 @@ def test_the_command_line_sets_mass_and_completion():
     assert config.mass == 0.95 and config.completion is True
     config = config_of(build_parser().parse_args(base))
     assert config.mass is None and config.completion is False
+
+
+def test_the_tokens_attended_a_step_are_counted_on_every_path():
+    """attended_per_step: with the budget covering every token, every stored token (each step's context, the new
+    token aside); with a fixed budget, the sinks, the window and the k picks a step; with a budget in mass, fewer
+    than the fixed budget and at least its floor. The one-row step counts what the general step counts."""
+    model, ids = tiny_model("llama"), _ids(300)
+    runs = {}
+    # a random model's attention is flat: 5% of its mass is a few picks past the sinks and the window
+    for name, settings in {"all": dict(token_budget=1.0), "fixed": {}, "mass": dict(mass=0.05)}.items():
+        with torch.no_grad():
+            cache = PQCache(model, PQCacheConfig(**{"token_budget": 0.2, **SMALL, **settings}))
+            greedy_generate(model, ids, cache, n=8)
+        runs[name] = cache
+    steps = runs["all"].pq_layers[0].counters["steps"]  # the prompt's chunk, then 7 one-token steps
+    contexts = [300] + [300 + i for i in range(1, steps)]
+    assert runs["all"].attended_per_step() == pytest.approx(sum(contexts) / steps - 1, abs=1.0)
+    budget = PQCacheConfig(token_budget=0.2, **SMALL).budget_tokens(300)
+    assert runs["fixed"].attended_per_step() == pytest.approx(budget, abs=2.0)
+    floor = SMALL["n_init"] + SMALL["n_local"] + PQCacheConfig.mass_floor_tokens
+    assert floor <= runs["mass"].attended_per_step() < runs["fixed"].attended_per_step()

@@ -74,7 +74,8 @@ class PQLayer(CacheLayerMixin):
         self.tally = None  # AttentionTally (sources.py), when an answer's sources are wanted
         self.last_selection = None
         self._one_row = None  # onerow.py's knowledge of the device window
-        self.counters = {"steps": 0, "hits": 0, "misses": 0, "fallback": None}
+        # picked: the retrieved tokens attended, summed over the steps, rows and KV heads (attended_per_step)
+        self.counters = {"steps": 0, "hits": 0, "misses": 0, "picked": 0, "fallback": None}
 
     # ---- transformers Cache layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -133,6 +134,15 @@ class PQLayer(CacheLayerMixin):
     @property
     def stats(self) -> dict:
         return {**self.counters, **self.method.stats(self.view())}
+
+    def attended_per_step(self) -> float | None:
+        """Stored tokens attended a step by each KV head, on average: the sinks and the window held now, and the
+        retrieved picks of the steps so far (None before a step)."""
+        steps, w = self.counters["steps"], self.window
+        if not steps or w is None:
+            return None
+        fixed = float((w.init_valid.sum(-1) + w.ring_valid().sum(-1)).float().mean())
+        return fixed + self.counters["picked"] / (steps * self.host.B * self.host.H)
 
     def view(self) -> LayerView:
         return LayerView(self)
