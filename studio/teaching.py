@@ -13,6 +13,7 @@ import gradio as gr
 from pqcache.serving.service import TeachingCase
 from studio.common import ASSETS, describe, user_of
 from studio.state import Studio
+from viz import studies
 from viz import teaching as pictures
 
 TEACHING_DOC = os.path.join(ASSETS, "teaching_doc.txt")
@@ -42,7 +43,7 @@ class TeachingTab:
     def run_teaching(self, methods, fact, budget, step, state, request: gr.Request, progress=gr.Progress()):
         """One prefill of the preset document, then each method answers the same question; PQCache's answer is
         recorded for the walkthrough. Returns the state, status, table, strip, spotlight and the walkthrough."""
-        nothing = (state, [], pictures.heat_strip({}, 1), [], *self.walkthrough(step, state))
+        nothing = (state, [], pictures.heat_strip({}, 1), [], *self.walkthrough(step, state), *missed_picture(None))
         if not methods:
             return nothing[0], "Pick at least one method.", *nothing[1:]
         with open(self.document, encoding="utf-8") as f:
@@ -63,6 +64,7 @@ class TeachingTab:
             pictures.heat_strip(state["selections"], state["n_tokens"], marks),
             self.spotlight_text(state, methods[0]),
             *self.walkthrough(step, state),
+            *missed_picture(state),
         )
 
     def spotlight_text(self, state, method):
@@ -89,6 +91,30 @@ class TeachingTab:
         if walk is None:
             return f"**{step}.** {intro}\n\n*Press Run side by side: the picture comes from that run.*", None
         return f"**{step}.** {intro} {detail.format(**step_numbers(walk, state))}", draw(walk, state)
+
+
+def missed_picture(state) -> tuple:
+    """(the line, the figure) of what the selection missed and what the estimate put back: the attention output's
+    error against full attention's per method and budget (the run's "fidelity" rows), and in words at the run's
+    budget."""
+    rows = [r for r in (state or {}).get("fidelity", []) if r.get("error") is None]
+    if not rows:
+        return "*Press Run side by side: the picture comes from that run.*", studies.fidelity_curve([])
+    budget = max(r["budget"] for r in rows)
+
+    def mean(method, field):
+        xs = [r[field] for r in rows if r["method"] == method and r["budget"] == budget and r.get(field) is not None]
+        return sum(xs) / len(xs) if xs else float("nan")
+
+    line = (
+        f"At this run's budget ({budget:g}), PQCache's selection held **{100 * mean('pqcache', 'mass'):.0f}%** of "
+        f"full attention's weight; its output was **{mean('pqcache', 'rel_error'):.3f}** away from full attention's "
+        f"(Oracle, the exact top-k: {mean('oracle', 'rel_error'):.3f}). With the tokens it did not read estimated "
+        f"from their PQ codes and put back, **{mean('pqcache+completion', 'rel_error'):.3f}**. The lower budgets show "
+        "where the estimate matters most (the document's last tokens replayed as decode steps, every full-attention "
+        "layer)."
+    )
+    return line, studies.fidelity_curve(rows)
 
 
 def step_numbers(w: dict, state: dict) -> dict:

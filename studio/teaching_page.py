@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import gradio as gr
 
-from studio.teaching import FACTS, SPOTLIGHT_COLORS, WALKTHROUGH, TeachingTab, question_line
+from studio.teaching import FACTS, SPOTLIGHT_COLORS, WALKTHROUGH, TeachingTab, missed_picture, question_line
 from viz import teaching as pictures
 
 
@@ -36,6 +36,9 @@ def build_teaching_tab(tab: TeachingTab, methods: list[str]):
         color_map=SPOTLIGHT_COLORS,
         elem_id="teaching-spotlight",
     )
+    gr.Markdown("### What the selection missed, and what the estimate put back")
+    m_line = gr.Markdown(missed_picture(None)[0], elem_id="missed-line")
+    m_plot = gr.Plot(label="attention output error", show_label=False, elem_id="missed-plot")
     gr.Markdown(
         "### Walkthrough of one decode step\nPQCache's first generated token, on the first full-attention layer."
     )
@@ -49,7 +52,7 @@ def build_teaching_tab(tab: TeachingTab, methods: list[str]):
     t_run.click(
         tab.run_teaching,
         [t_methods, t_fact, t_budget, w_step, t_state],
-        [t_state, t_status, t_table, t_strip, t_text, w_text, w_plot],
+        [t_state, t_status, t_table, t_strip, t_text, w_text, w_plot, m_line, m_plot],
         show_progress_on=[t_status],
         api_name="run_teaching",
         **model_work,

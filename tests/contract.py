@@ -269,5 +269,11 @@ def test_the_teaching_run_happens_where_the_model_is(service, user):
     first, texts = lesson["spotlight"]
     assert "".join(texts[lesson["fact_pos"] - first :]).lstrip().startswith("the code")  # the fact's own tokens
     assert seen and seen == sorted(seen) and seen[-1] <= 1
+    # the picture of what the selection missed: each full-attention layer, each setting at the run's budget and below
+    missed = lesson["fidelity"]
+    assert {(r["method"], r["budget"]) for r in missed} == {
+        (m, b) for m in ("oracle", "pqcache", "pqcache+completion") for b in (0.3, 0.02, 0.005)
+    }
+    assert all(r.get("error") is None and 0 <= r["rel_error"] and 0 < r["mass"] <= 1 + 1e-6 for r in missed)
     assert service.conversation_state(user)["asked"] == [1]  # the user's document and conversation stay
     assert service.about()["model"] and service.about()["device"] == "cpu"

@@ -117,8 +117,8 @@ def _fidelity(args) -> int:
     """`eval fidelity`: a row per (setting, budget), averaged over the layers, printed (--json: the layers' rows and
     that summary as one object); --out: the same object written to a file (the figure's input: viz.studies)."""
     from pqcache.eval.datasets import essays_text
-    from pqcache.eval.fidelity import BUDGETS, SETTINGS, fidelity_study, summarize
     from pqcache.serving.documents import read_document
+    from pqcache.serving.fidelity import BUDGETS, SETTINGS, fidelity_study, summarize
     from pqcache.serving.loading import load_model
 
     settings = [m.strip() for m in (args.methods or ",".join(SETTINGS)).split(",") if m.strip()]

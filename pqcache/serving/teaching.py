@@ -9,11 +9,14 @@ keep: the page needs no model and no tokenizer (the spotlight's token texts come
 from __future__ import annotations
 
 from pqcache import Instrumentation
+from pqcache.serving.fidelity import cache_fidelity
 from pqcache.serving.prompt import PromptBuilder, has_chat_template
 from pqcache.serving.service import TeachingCase
 from pqcache.serving.walkthrough import StepRecorder
 
 SPOTLIGHT_BEFORE, SPOTLIGHT_AFTER = 50, 40  # tokens shown around the fact
+PICTURE_METHODS = ("oracle", "pqcache", "pqcache+completion")  # what_was_missed's settings (serving/fidelity.py)
+PICTURE_BUDGETS = (0.02, 0.005)  # ...and its budgets below the run's
 
 
 def lesson(session, case: TeachingCase, methods: list[str], progress) -> dict:
@@ -52,7 +55,9 @@ def lesson(session, case: TeachingCase, methods: list[str], progress) -> dict:
     doc_ids = session.doc_ids
     around = fact_pos or 0
     lo, hi = max(0, around - SPOTLIGHT_BEFORE), min(len(doc_ids), (end_pos or around) + SPOTLIGHT_AFTER)
+    progress(0.97, "measuring what the selection missed")
     return {
+        "fidelity": what_was_missed(session),
         "n_tokens": session.n_tokens,
         "selections": selections,
         "fact_pos": fact_pos,
@@ -63,6 +68,15 @@ def lesson(session, case: TeachingCase, methods: list[str], progress) -> dict:
         "labels": {p: repr(tok.decode([doc_ids[p]])) for p in focus if p < len(doc_ids)},
         "spotlight": [lo, [tok.decode([doc_ids[p]]) for p in range(lo, hi)]],  # the first position, each text
     }
+
+
+def what_was_missed(session) -> list[dict]:
+    """The picture of what the selection missed and what the estimate put back: on the document's own keys, values
+    and last queries (serving/fidelity.py), per layer, the attention output's error against full attention's for
+    Oracle, PQCache and PQCache with completion, at the run's budget and two smaller ones."""
+    budget = session.config.token_budget
+    budgets = sorted({budget, *PICTURE_BUDGETS} - {b for b in PICTURE_BUDGETS if b >= budget}, reverse=True)
+    return cache_fidelity(session.cache, budgets, PICTURE_METHODS, n_queries=4, iters=20, config=session.config)
 
 
 def first_answer_step(selected: list[dict]) -> dict | None:

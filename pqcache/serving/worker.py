@@ -128,9 +128,9 @@ class DocumentWorker:
             kv_dtype=self.server.kv_dtype,
             block_cache_tokens=DEVICE_BLOCK_CACHE_TOKENS,  # the walkthrough's fetch shows the GPU design
         )
-        # the prefill's queries kept when a chosen method starts from them: no second read of the document
-        keep_queries = any(METHODS[m].needs_prefill_queries for m in methods if m in METHODS)
-        session = DocumentSession(self.model, self.tokenizer, config, method="pqcache", keep_queries=keep_queries)
+        # the prefill's queries kept: the methods that start from them, and the picture of what the selection missed,
+        # read them (serving/teaching.py)
+        session = DocumentSession(self.model, self.tokenizer, config, method="pqcache", keep_queries=True)
         self._read_into(user, TEACHING, session, case.text, progress=lambda f, words: say(0.5 * f, words), stop=stop)
         return lesson(session, case, methods, lambda f, words: say(0.5 + 0.5 * f, words))
 

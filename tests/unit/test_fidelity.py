@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from pqcache.eval import fidelity
-from pqcache.eval.fidelity import SETTINGS, fidelity_study, summarize
+from pqcache.serving import fidelity
+from pqcache.serving.fidelity import SETTINGS, fidelity_study, summarize
 from tests.tiny import tiny_chat_model
 
 TEXT = "".join(chr(97 + (i * 7) % 26) + (" " if i % 5 == 0 else "") for i in range(420))

@@ -147,7 +147,7 @@ def teaching(tmp_path):
 
 
 def run(tab, methods=("pqcache", "streaming"), step="1. Prefill and PQ build"):
-    state, status, rows, strip, spotlight, text, picture = tab.run_teaching(
+    state, status, rows, strip, spotlight, text, picture, missed_line, missed_plot = tab.run_teaching(
         list(methods), FACT, 0.2, step, None, request=USER, progress=quiet
     )
     return state, status, rows
@@ -167,19 +167,31 @@ def test_teaching_runs_side_by_side_with_the_right_answer(teaching):
     assert any(kind and "the fact" in kind for _, kind in spotlight)
 
 
-def test_teaching_keeps_the_prefill_queries_only_when_a_chosen_method_starts_from_them(teaching, monkeypatch):
-    """SnapKV among the methods: the one prefill keeps the queries (no second read of the document); PQCache and
-    StreamingLLM alone: none kept."""
+def test_teaching_reads_the_document_once_and_keeps_its_queries_for_the_picture(teaching, monkeypatch):
+    """The one prefill keeps the queries, for SnapKV (no second read of the document) and for the picture of what the
+    selection missed, which replays the document's last queries (serving/fidelity.py): kept with PQCache and
+    StreamingLLM alone too."""
     import pqcache.serving.session as session_module
 
     reads = []
     real = session_module.read_queries
     monkeypatch.setattr(session_module, "read_queries", lambda *a: reads.append(1) or real(*a))
-    run(teaching, methods=("pqcache", "snapkv"))
-    session = teaching.studio.pool.session("teacher", "teaching")
-    assert reads == [] and session.cache.stats()["query_bytes"] > 0
-    run(teaching)
-    assert teaching.studio.pool.session("teacher", "teaching").cache.stats()["query_bytes"] == 0
+    for methods in (("pqcache", "snapkv"), ("pqcache", "streaming")):
+        run(teaching, methods=methods)
+        session = teaching.studio.pool.session("teacher", "teaching")
+        assert reads == [] and session.cache.stats()["query_bytes"] > 0
+
+
+def test_teaching_shows_what_the_selection_missed_and_what_the_estimate_put_back(teaching):
+    """The picture's line names the run's budget, the share PQCache's selection held and the three errors, from the
+    run's rows; the figure has a line per setting. Before a run: a line saying where the picture comes from."""
+    from studio.teaching import missed_picture
+
+    state, _, _ = run(teaching)
+    line, figure = missed_picture(state)
+    assert line.startswith("At this run's budget (0.2), PQCache's selection held **") and "Oracle" in line
+    assert {trace.name for trace in figure.data} == {"oracle", "pqcache", "pqcache+completion"}
+    assert missed_picture(None)[0].startswith("*Press Run side by side")
 
 
 def test_teaching_spotlight_shows_what_each_method_attended_within_the_budget(teaching):

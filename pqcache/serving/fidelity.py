@@ -1,8 +1,10 @@
-"""`python -m pqcache eval fidelity`: how far each method's attention output is from full attention's, on the model's
-real keys, values and queries (issue 64: "fidelity as a measured quantity").
+"""How far each method's attention output is from full attention's, on the model's real keys, values and queries
+(issue 64: "fidelity as a measured quantity"): `python -m pqcache eval fidelity`, and the Teaching tab's picture of
+what the selection missed and what the estimate put back (serving/teaching.py).
 
-One prefill (method "full", its queries kept). Per full-attention layer, the last n_queries prefill tokens are held
-out: a standalone layer is filled with the P = S - n_queries tokens before them (PQ built once), and each setting
+One prefill (method "full", its queries kept; or a cache that kept them: cache_fidelity). Per full-attention layer,
+the last n_queries prefill tokens are held out: a standalone layer is filled with the P = S - n_queries tokens before
+them (PQ built once), and each setting
 runs on a fork of it (the codes shared, no second K-Means) that replays the held-out tokens as decode steps:
 update(k_t, v_t), then attend(q_t) through PQLayer.attend, as a real decode step does, each step appending its
 token. The reference of each step is full attention over what the fork then stores (every earlier token and the
@@ -55,17 +57,25 @@ def fidelity_study(
     unknown = [m for m in methods if m not in SETTINGS]
     if unknown:
         raise ValueError(f"unknown fidelity setting(s) {', '.join(unknown)}; choose from {', '.join(SETTINGS)}")
-    base_config = replace(config or PQCacheConfig(), kmeans_iters=iters, block_cache_tokens=0)
+    base_config = config or PQCacheConfig()
     device = next(model.parameters()).device
     ids = tokenizer(context, return_tensors="pt").input_ids.to(device)
     base = PQCache(model, PQCacheConfig(kmeans_iters=1), method="full", keep_queries=True)
     prefill(model, ids, base)
-    rows = []
     try:
-        for layer in base.pq_layers:
-            rows += _layer_rows(layer, base_config, budgets, methods, n_queries, iters, device)
+        return cache_fidelity(base, budgets, methods, n_queries, iters, base_config)
     finally:
         base.close()
+
+
+@torch.no_grad()
+def cache_fidelity(cache, budgets, methods, n_queries: int, iters: int, config: PQCacheConfig) -> list[dict]:
+    """fidelity_study's rows on a prefilled cache whose layers kept their prefill's queries (keep_queries=True);
+    config: the settings each setting starts from (see fidelity_study)."""
+    base_config = replace(config, kmeans_iters=iters, block_cache_tokens=0)
+    rows = []
+    for layer in cache.pq_layers:
+        rows += _layer_rows(layer, base_config, budgets, methods, n_queries, iters, layer.device)
     return rows
 
 
