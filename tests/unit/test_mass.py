@@ -248,9 +248,9 @@ def test_the_tokens_attended_a_step_are_counted_on_every_path():
             cache = PQCache(model, PQCacheConfig(**{"token_budget": 0.2, **SMALL, **settings}))
             greedy_generate(model, ids, cache, n=8)
         runs[name] = cache
-    steps = runs["all"].pq_layers[0].counters["steps"]  # the prompt's chunk, then 7 one-token steps
-    contexts = [300] + [300 + i for i in range(1, steps)]
-    assert runs["all"].attended_per_step() == pytest.approx(sum(contexts) / steps - 1, abs=1.0)
+    steps = runs["all"].pq_layers[0].counters["decode_steps"]  # the one-token steps after the prompt
+    contexts = [300 + i for i in range(steps)]  # the tokens stored before each step
+    assert steps == 7 and runs["all"].attended_per_step() == pytest.approx(sum(contexts) / steps, abs=1.0)
     budget = PQCacheConfig(token_budget=0.2, **SMALL).budget_tokens(300)
     assert runs["fixed"].attended_per_step() == pytest.approx(budget, abs=2.0)
     floor = SMALL["n_init"] + SMALL["n_local"] + PQCacheConfig.mass_floor_tokens

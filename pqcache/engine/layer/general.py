@@ -57,7 +57,9 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     observe_step(layer, q, scaling, top, top_valid, probs, mask, moved)
     append(layer, k_new, v_new, new_valid)
     layer.counters["steps"] += 1
-    layer.counters["picked"] += int(top_valid.sum())
+    if Q == 1:  # a decode step (attended_per_step)
+        layer.counters["decode_steps"] += 1
+        layer.counters["picked"] += int(top_valid.sum())
     if exact_chunk:  # the whole context stays on the device only for the chunk; the next step sizes the top-k part
         window.resize(0, 1)
     return out

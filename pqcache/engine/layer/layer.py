@@ -74,8 +74,9 @@ class PQLayer(CacheLayerMixin):
         self.tally = None  # AttentionTally (sources.py), when an answer's sources are wanted
         self.last_selection = None
         self._one_row = None  # onerow.py's knowledge of the device window
-        # picked: the retrieved tokens attended, summed over the steps, rows and KV heads (attended_per_step)
-        self.counters = {"steps": 0, "hits": 0, "misses": 0, "picked": 0, "fallback": None}
+        # one-token steps, and the retrieved tokens they attended summed over the steps, rows and KV heads
+        # (attended_per_step: a question's chunk, which may read every token, is not a decode step)
+        self.counters = {"steps": 0, "hits": 0, "misses": 0, "decode_steps": 0, "picked": 0, "fallback": None}
 
     # ---- transformers Cache layer protocol -------------------------------------------------------
     def lazy_initialization(self, key_states, value_states):
@@ -136,9 +137,9 @@ class PQLayer(CacheLayerMixin):
         return {**self.counters, **self.method.stats(self.view())}
 
     def attended_per_step(self) -> float | None:
-        """Stored tokens attended a step by each KV head, on average: the sinks and the window held now, and the
-        retrieved picks of the steps so far (None before a step)."""
-        steps, w = self.counters["steps"], self.window
+        """Stored tokens attended a decode step by each KV head, on average: the sinks and the window held now, and
+        the retrieved picks of the one-token steps so far (None before one)."""
+        steps, w = self.counters["decode_steps"], self.window
         if not steps or w is None:
             return None
         fixed = float((w.init_valid.sum(-1) + w.ring_valid().sum(-1)).float().mean())

@@ -287,4 +287,5 @@ def _books(layer, top, top_valid, moved: dict):
     layer.counters["hits"] += moved["hits"]
     layer.counters["misses"] += moved["misses"]
     layer.counters["steps"] += 1
+    layer.counters["decode_steps"] += 1
     layer.counters["picked"] += int(top_valid.sum())
