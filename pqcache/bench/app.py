@@ -62,21 +62,32 @@ def bench_app(
                     {"length": n, "runner": runner, "note": "not installed (pip install -r requirements-bench.txt)"}
                 )
                 continue
-            spec = {"model": model, "length": n, "runner": runner, "gguf": gguf, "threads": threads or available_cpus(),
-                    "long_tokens": long_tokens}  # fmt: skip
+            spec = {
+                "model": model,
+                "length": n,
+                "runner": runner,
+                "gguf": gguf,
+                "threads": threads or available_cpus(),
+                "long_tokens": long_tokens,
+            }
             with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
                 json.dump(spec, f)
             try:
-                proc = subprocess.run([sys.executable, "-m", "pqcache.bench.app_runs", f.name],
-                                      capture_output=True, text=True)  # fmt: skip
+                proc = subprocess.run(
+                    [sys.executable, "-m", "pqcache.bench.app_runs", f.name], capture_output=True, text=True
+                )
             finally:
                 Path(f.name).unlink(missing_ok=True)
             try:
                 row = json.loads(proc.stdout.strip().splitlines()[-1]) if proc.returncode == 0 else None
             except (IndexError, ValueError):
                 row = None
-            rows.append({"length": n, **(row or {"runner": runner, "error": failure(proc.returncode, proc.stdout,
-                                                                                     proc.stderr)})})  # fmt: skip
+            rows.append(
+                {
+                    "length": n,
+                    **(row or {"runner": runner, "error": failure(proc.returncode, proc.stdout, proc.stderr)}),
+                }
+            )
     return with_ratios(rows)
 
 

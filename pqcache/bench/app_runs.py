@@ -101,8 +101,18 @@ def generate_row(model, tokenizer, text: str, long_tokens: int = LONG_TOKENS) ->
     def ask(question, max_new_tokens, sources=True):
         def run(on_token):
             prompt = build_prompt(tokenizer, text, question)  # on a thread too: no OpenMP team outlives a runner
-            out = _on_thread(lambda: generate(model, tokenizer, prompt, "pqcache", PQCacheConfig(), max_new_tokens,
-                                              on_token=on_token, sources=sources))  # fmt: skip
+            out = _on_thread(
+                lambda: generate(
+                    model,
+                    tokenizer,
+                    prompt,
+                    "pqcache",
+                    PQCacheConfig(),
+                    max_new_tokens,
+                    on_token=on_token,
+                    sources=sources,
+                )
+            )
             run.stats = out.stats
             return out
 
@@ -181,8 +191,17 @@ def llama_row(gguf: str, tokenizer, text: str, threads: int, long_tokens: int = 
 
     builder = PromptBuilder(tokenizer)
     doc = builder.document_ids(text)[0].tolist()
-    llm = Llama(model_path=gguf, n_ctx=len(doc) + 256, n_batch=512, n_ubatch=512, n_threads=threads,
-                n_threads_batch=threads, flash_attn=True, swa_full=False, verbose=False)  # fmt: skip
+    llm = Llama(
+        model_path=gguf,
+        n_ctx=len(doc) + 256,
+        n_batch=512,
+        n_ubatch=512,
+        n_threads=threads,
+        n_threads_batch=threads,
+        flash_attn=True,
+        swa_full=False,
+        verbose=False,
+    )
 
     def argmax() -> int:
         return int(np.argmax(np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(llm.n_vocab(),))))

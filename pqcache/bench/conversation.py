@@ -74,11 +74,13 @@ def bench_conversation(
                     before = (list(talk.ids), talk.question_ids(question))  # what a re-prefill of this turn reads
                     answer = talk.ask(question, max_new_tokens=max_new_tokens)
                     ms = step_ms(answer)
-                    per_turn[t].update({
-                        "tokens": session.n_tokens + len(before[0]),  # in the cache before the turn
-                        f"{method}_ttft_s": round(answer.first_s, 3),
-                        f"{method}_ms_tok": None if ms is None else round(ms, 1),
-                    })  # fmt: skip
+                    per_turn[t].update(
+                        {
+                            "tokens": session.n_tokens + len(before[0]),  # in the cache before the turn
+                            f"{method}_ttft_s": round(answer.first_s, 3),
+                            f"{method}_ms_tok": None if ms is None else round(ms, 1),
+                        }
+                    )
                     if method == "pqcache":
                         per_turn[t]["answer"] = answer.text.strip()[:24]
                         last = before
@@ -94,10 +96,13 @@ def bench_conversation(
         per_turn[turns - 1]["reprefill_ttft_s"] = round(first_s, 3)
         rows += per_turn.values()
         first, final = per_turn[0]["pqcache_ttft_s"], per_turn[turns - 1]["pqcache_ttft_s"]
-        summary.append({
-            "seq_len": s, "document_prefill_s": round(session.prefill_s, 2),
-            f"turn{turns}_over_turn1": round(final / first, 2),
-            f"reprefill_over_turn{turns}": round(first_s / final, 1),
-            "reprefill_pq_ready_s": round(ready_s, 2),
-        })  # fmt: skip
+        summary.append(
+            {
+                "seq_len": s,
+                "document_prefill_s": round(session.prefill_s, 2),
+                f"turn{turns}_over_turn1": round(final / first, 2),
+                f"reprefill_over_turn{turns}": round(first_s / final, 1),
+                "reprefill_pq_ready_s": round(ready_s, 2),
+            }
+        )
     return rows, summary

@@ -84,13 +84,20 @@ def bench_store(model, tokenizer, seq_lens=(8192, 24576), config=None, root: str
                 assert got["from"] == "store", got["store_note"]
                 reads[kind] = (wall, again.ask(QUESTION, max_new_tokens=8).tokens == answer)
                 again.close()
-            rows.append({
-                "seq_len": s, "load_s": round(load_s, 2), "prefill_s": round(info["prefill_s"], 2),
-                "save_s": round(save_s, 2), "cold": "page cache dropped" if dropped else "fresh file",
-                "cold_read_s": round(reads["cold"][0], 3), "warm_read_s": round(reads["warm"][0], 3),
-                "load_over_cold": round(load_s / reads["cold"][0], 1),
-                "load_over_warm": round(load_s / reads["warm"][0], 1),
-                "disk_bytes_tok": round(entry["bytes"] / s), "cache_bytes_tok": round(kv / s),
-                "same_answer": reads["cold"][1] and reads["warm"][1],
-            })  # fmt: skip
+            rows.append(
+                {
+                    "seq_len": s,
+                    "load_s": round(load_s, 2),
+                    "prefill_s": round(info["prefill_s"], 2),
+                    "save_s": round(save_s, 2),
+                    "cold": "page cache dropped" if dropped else "fresh file",
+                    "cold_read_s": round(reads["cold"][0], 3),
+                    "warm_read_s": round(reads["warm"][0], 3),
+                    "load_over_cold": round(load_s / reads["cold"][0], 1),
+                    "load_over_warm": round(load_s / reads["warm"][0], 1),
+                    "disk_bytes_tok": round(entry["bytes"] / s),
+                    "cache_bytes_tok": round(kv / s),
+                    "same_answer": reads["cold"][1] and reads["warm"][1],
+                }
+            )
     return rows

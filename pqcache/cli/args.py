@@ -309,8 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument("--lengths", type=lambda t: [int(x) for x in t.split(",")], default=[2048, 4096, 8192])
     d.add_argument("--depths", type=lambda t: [float(x) for x in t.split(",")], default=[0.1, 0.5, 0.9])
-    d.add_argument("--tasks", default=None, help="ruler, scbench: comma-separated tasks (default: all; scbench's "
-                   "realdocs: the real-document conversations)")  # fmt: skip
+    d.add_argument(
+        "--tasks",
+        default=None,
+        help="ruler, scbench: comma-separated tasks (default: all; scbench's "
+        "realdocs: the real-document conversations)",
+    )
     d.add_argument("--n", type=int, default=2, help="ruler: cases per task and length")
     d.add_argument("--query-aware", choices=["both", "true", "false"], default="both")
     d.add_argument("--seed", type=int, default=0)

@@ -30,8 +30,10 @@ def cmd_eval(args) -> int:
 
         cases = sc.load_cases(args.cases) if args.mode is None else None
         if args.scbench_mode == sc.ADDED and cases is not None and len(cases) < 2:
-            raise ValueError(f"--scbench-mode {sc.ADDED} adds each case's context to a conversation over the "
-                             "previous case's: give at least two cases")  # fmt: skip
+            raise ValueError(
+                f"--scbench-mode {sc.ADDED} adds each case's context to a conversation over the "
+                "previous case's: give at least two cases"
+            )
     else:
         cases = evaluate.load_cases(args.cases, args.format) if args.mode is None else None
     config = config_of(args)
@@ -183,8 +185,9 @@ def cmd_datasets(args) -> int:
         from pqcache.eval import scbench_data
 
         tasks = args.tasks.split(",") if args.tasks else [*scbench_data.TASKS, "realdocs"]
-        cases = scbench_data.synthetic(tok, [t for t in tasks if t != "realdocs"], args.lengths, args.n, args.turns,
-                                       args.seed)  # fmt: skip
+        cases = scbench_data.synthetic(
+            tok, [t for t in tasks if t != "realdocs"], args.lengths, args.n, args.turns, args.seed
+        )
         cases += scbench_data.realdoc_conversations() if "realdocs" in tasks else []
         scbench_data.write(cases, args.out)
         print(f"wrote {len(cases)} conversations ({sum(len(c['multi_turns']) for c in cases)} turns) to {args.out}")

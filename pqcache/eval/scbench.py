@@ -161,11 +161,18 @@ def _added(model, tokenizer, case: dict, first: dict, methods: list[str], config
 def _row(case: dict, t: int, method: str, mode: str, answer, t0: float, context_tokens: int) -> dict:
     turn = case["multi_turns"][t]
     return {
-        "id": case["id"], "task": case["task"], "turn": t, "method": method, "mode": mode,
-        "score": score(case["task"], answer.text, turn["answer"]), "answer": turn["answer"],
-        "prediction": answer.text, "tokens": len(answer.tokens), "seconds": round(time.perf_counter() - t0, 3),
+        "id": case["id"],
+        "task": case["task"],
+        "turn": t,
+        "method": method,
+        "mode": mode,
+        "score": score(case["task"], answer.text, turn["answer"]),
+        "answer": turn["answer"],
+        "prediction": answer.text,
+        "tokens": len(answer.tokens),
+        "seconds": round(time.perf_counter() - t0, 3),
         "context_tokens": context_tokens,
-    }  # fmt: skip
+    }
 
 
 def summarize(rows: list[dict]) -> list[dict]:

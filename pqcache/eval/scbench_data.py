@@ -105,8 +105,10 @@ def realdoc_conversations() -> list[dict]:
     """The real-document questions (assets/realdocs) as one conversation per document, in their order."""
     by_doc: dict[str, dict] = {}
     for case in realdocs():
-        conv = by_doc.setdefault(case["document"], {"id": case["document"], "task": "realdocs",
-                                                     "context": case["context"], "multi_turns": []})  # fmt: skip
+        conv = by_doc.setdefault(
+            case["document"],
+            {"id": case["document"], "task": "realdocs", "context": case["context"], "multi_turns": []},
+        )
         groups = case["answers"]
         conv["multi_turns"].append({"input": case["question"], "answer": groups[0] if len(groups) == 1 else groups})
     return list(by_doc.values())

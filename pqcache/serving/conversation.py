@@ -187,9 +187,16 @@ class Conversation:
                 self.open_user_turn = False
                 eos = eos_token_ids(session.model, session.tokenizer)
                 decoded = decode_n_tokens(
-                    session.model, logits, self.cache, max_new_tokens, eos, show, stop=stop, lock=session.lock,
+                    session.model,
+                    logits,
+                    self.cache,
+                    max_new_tokens,
+                    eos,
+                    show,
+                    stop=stop,
+                    lock=session.lock,
                     stop_rule=prompt.stop_rule(),
-                )  # fmt: skip
+                )
                 answer.tokens, answer.stopped, answer.ended = decoded.tokens, decoded.stopped, decoded.ended
                 answer.generated = decoded.generated
                 answer.text = session.tokenizer.decode(answer.tokens, skip_special_tokens=True)

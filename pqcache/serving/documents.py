@@ -115,8 +115,9 @@ def read_document(
                 head = f.read(1024)  # a PDF's header is within its first 1024 bytes
             if b"%PDF-" not in head:
                 what = "text" if head.strip() and not looks_binary(head) else "some other kind of file"
-                raise DocumentError(f"{name} is not a PDF (it has no PDF header; it looks like {what}): "
-                                    "if it is text, name it .txt")  # fmt: skip
+                raise DocumentError(
+                    f"{name} is not a PDF (it has no PDF header; it looks like {what}): if it is text, name it .txt"
+                )
             return check_text(read_pdf(path, name), name)
         with open(path, "rb") as f:
             return check_text(decode_text(f.read(), name, encoding), name)

@@ -15,8 +15,18 @@ from pqcache.bench.app_process import running_app
 # an app sized to make limits reachable: one request at a time, 18.4 MiB of caches (one ~1K-token document of the
 # bundled model reserves about 12 MiB and holds 10.7: float16 keys, values and windows), documents up to 1200
 # tokens, 8 s K-Means timeout
-SMALL = ("--concurrency", "1", "--max-cache-gib", "0.018", "--max-document-tokens", "1200", "--idle-minutes", "10",
-         "--pq-timeout", "8")  # fmt: skip
+SMALL = (
+    "--concurrency",
+    "1",
+    "--max-cache-gib",
+    "0.018",
+    "--max-document-tokens",
+    "1200",
+    "--idle-minutes",
+    "10",
+    "--pq-timeout",
+    "8",
+)
 
 
 def launch_app(*flags):

@@ -43,8 +43,18 @@ def test_the_app_the_cli_and_the_eval_give_the_same_tokens(real_model, cli, tmp_
     app = app_answers(model, tok, document)
     generated = {}
     for method in METHODS:
-        proc = cli("generate", "--context-file", document, "--question", QUESTION, "--method", method,
-                   "--max-new-tokens", 24, "--json")  # fmt: skip
+        proc = cli(
+            "generate",
+            "--context-file",
+            document,
+            "--question",
+            QUESTION,
+            "--method",
+            method,
+            "--max-new-tokens",
+            24,
+            "--json",
+        )
         assert proc.returncode == 0, proc.stderr
         generated[method] = json.loads(proc.stdout.strip().splitlines()[-1])
     cases, rows = tmp_path / "case.jsonl", tmp_path / "rows.jsonl"

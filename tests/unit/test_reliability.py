@@ -431,10 +431,17 @@ def test_a_second_start_waits_for_the_first_ones_model_conversion(tmp_path, monk
     monkeypatch.setenv("PQCACHE_HOME", str(tmp_path))
     target = loading.default_model_dir()
     holder = subprocess.Popen(  # another process, in the middle of a conversion: it holds the lock
-        [sys.executable, "-c", "import sys, pqcache.serving.loading as l\nwith l.home_lock():\n"
-         "    print('locked', flush=True); sys.stdin.readline()"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env={**os.environ, "PQCACHE_HOME": str(tmp_path)},
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-c",
+            "import sys, pqcache.serving.loading as l\nwith l.home_lock():\n"
+            "    print('locked', flush=True); sys.stdin.readline()",
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PQCACHE_HOME": str(tmp_path)},
+    )
     try:
         assert holder.stdout.readline().strip() == "locked"
         monkeypatch.setattr(loading, "_convert", lambda target, progress: pytest.fail("converted a second time"))

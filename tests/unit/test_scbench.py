@@ -112,12 +112,19 @@ def test_added_document_mode_adds_the_context_to_another_conversation(monkeypatc
 
     added = []
     real = Conversation.add_document
-    monkeypatch.setattr(Conversation, "add_document", lambda self, text, name="", stop=None, progress=None: (
-        added.append((self.n_tokens, name)), real(self, text, name))[1])  # fmt: skip
+    monkeypatch.setattr(
+        Conversation,
+        "add_document",
+        lambda self, text, name="", stop=None, progress=None: (
+            added.append((self.n_tokens, name)),
+            real(self, text, name),
+        )[1],
+    )
     other = {**CASE, "id": "c0", "context": " ".join(f"v{(3 * i) % 29}" for i in range(200))}
     config = PQCacheConfig(token_budget=1.0, n_init=4, bits=4, kmeans_iters=3)
-    rows = scbench.run_case(model := tiny_model("llama"), WordTokenizer(), CASE, ["full", "pqcache"], config,
-                            scbench.ADDED, 4, first=other)  # fmt: skip
+    rows = scbench.run_case(
+        model := tiny_model("llama"), WordTokenizer(), CASE, ["full", "pqcache"], config, scbench.ADDED, 4, first=other
+    )
     assert [(r["mode"], r["method"], r["turn"]) for r in rows] == [
         (mode, m, t) for mode in ("multi-request", scbench.ADDED) for m in ("full", "pqcache") for t in (0, 1)
     ]
