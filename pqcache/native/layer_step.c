@@ -258,7 +258,7 @@ static void kind_weighted_values(const float *p, int64_t g, const void *v, int k
 /* attend_row's attention over the n_keys keys (their rows of `kind`) and, after them, the picks (NULL: none) */
 static int attend(const float *q, int64_t Hq, const void *k, const void *v, int kind, int64_t Hk,
                   int64_t head_stride, int64_t n_keys, const Picks *P, int64_t D, float scaling, float *out,
-                  float *weights) {
+                  float *weights, float *lse) {
   int64_t size = kv_bytes(kind);
   int64_t group = Hq / Hk, count = P == NULL ? 0 : P->count, n = n_keys + count;
   int threads = n >= SPLIT_KEYS ? omp_get_max_threads() : 1;
@@ -296,6 +296,7 @@ static int attend(const float *q, int64_t Hq, const void *k, const void *v, int 
       double sum = 0.0;
       for (int64_t j = 0; j < n; j++) sum += row[j];
       total[h] = sum;
+      if (lse != NULL) lse[h] = top + (float)log(sum); /* the softmax's log-sum-exp, for a part merged in after */
     }
     for (int64_t c = 0; c < Hk; c++) {
       float *o = part + (t * Hq + c * group) * D;
@@ -329,8 +330,14 @@ static int attend(const float *q, int64_t Hq, const void *k, const void *v, int 
    -1 when scratch memory could not be allocated. */
 int attend_row(const float *q, int64_t Hq, const void *k, const void *v, int64_t kind, int64_t Hk,
                int64_t head_stride, int64_t n, int64_t D, float scaling, float *out) {
-  return attend(q, Hq, k, v, (int)kind, Hk, head_stride, n, NULL, D, scaling, out, NULL);
+  return attend(q, Hq, k, v, (int)kind, Hk, head_stride, n, NULL, D, scaling, out, NULL, NULL);
 }
+
+int attend_picks_lse(const float *q, int64_t Hq, const void *k, const void *v, int64_t kv_kind, int64_t Hk,
+                     int64_t head_stride, int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
+                     const uint8_t *pick_valid, const int64_t *pos, const void *shared, int64_t shared_head,
+                     int64_t S0, const void *own, int64_t own_head, int64_t kind, float *out, float *weights,
+                     float *lse);
 
 /* attend_row over the n keys (a PQ layer's sinks, ring and new token) and a PQ layer's picks (see Picks): one
    softmax over both. The picks' keys are never read, their values where they lie. k and v are of kv_kind (a
@@ -340,8 +347,18 @@ int attend_picks(const float *q, int64_t Hq, const void *k, const void *v, int64
                  int64_t head_stride, int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
                  const uint8_t *pick_valid, const int64_t *pos, const void *shared, int64_t shared_head, int64_t S0,
                  const void *own, int64_t own_head, int64_t kind, float *out, float *weights) {
+  return attend_picks_lse(q, Hq, k, v, kv_kind, Hk, head_stride, n, D, scaling, count, pick_scores, pick_valid, pos,
+                          shared, shared_head, S0, own, own_head, kind, out, weights, NULL);
+}
+
+/* attend_picks, and lse (Hq,): each query head's log-sum-exp of its scores (NULL: not wanted) */
+int attend_picks_lse(const float *q, int64_t Hq, const void *k, const void *v, int64_t kv_kind, int64_t Hk,
+                     int64_t head_stride, int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
+                     const uint8_t *pick_valid, const int64_t *pos, const void *shared, int64_t shared_head,
+                     int64_t S0, const void *own, int64_t own_head, int64_t kind, float *out, float *weights,
+                     float *lse) {
   Picks P = {count, S0, shared_head, own_head, kind, pick_scores, shared, own, pick_valid, pos};
-  return attend(q, Hq, k, v, (int)kv_kind, Hk, head_stride, n, &P, D, scaling, out, weights);
+  return attend(q, Hq, k, v, (int)kv_kind, Hk, head_stride, n, &P, D, scaling, out, weights, lse);
 }
 
 /* x (E,), the attention's output attn (Hq D,) -> y (E,): the rest of the layer (y may not be x) */
@@ -391,7 +408,7 @@ int layer_window_step(const Layer *L, const float *x, const float *cos, const fl
   }
   int64_t first = (slot + 1 - n) * D * size;
   if (!failed) failed = attend(qkv, Hq, (char *)k + first, (char *)v + first, (int)kind, Hk, head_stride, n, NULL, D,
-                               scaling, attn, NULL);
+                               scaling, attn, NULL, NULL);
   if (!failed) failed = layer_out(L, x, attn, y);
   free(qkv);
   free(attn);

@@ -12,9 +12,12 @@
    its codes, computed in the tables' pass over the codebook. In Python and torch that took about 0.13 ms a layer, in
    C about 0.08 when called alone (a 4K context, Zen 4, ad hoc): most of that is the codebook read from memory again.
    pq_append files a token alone (an observed step, whose timeline shows the filing as its own span). */
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
+#include "exp_poly.h"  /* exp_nonpositive */
 #include "half_rows.h" /* kv_bytes, narrow_row */
 
 void pq_tables_codes(const float *q, int64_t R, const float *centroids, int64_t m, int64_t C, int64_t d, float *tables,
@@ -25,10 +28,11 @@ void gather_dot(const void *keys, int kind, int64_t stride, const int64_t *pos, 
                 int64_t D, float *out);
 int combine_top(const float *scores, int64_t n, int64_t R, const uint8_t *cand, int sum_mode, int64_t k,
                 int64_t *pos);
-int attend_picks(const float *q, int64_t Hq, const void *k, const void *v, int64_t kv_kind, int64_t Hk,
-                 int64_t head_stride, int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
-                 const uint8_t *pick_valid, const int64_t *pos, const void *shared, int64_t shared_head, int64_t S0,
-                 const void *own, int64_t own_head, int64_t kind, float *out, float *weights);
+int attend_picks_lse(const float *q, int64_t Hq, const void *k, const void *v, int64_t kv_kind, int64_t Hk,
+                     int64_t head_stride, int64_t n, int64_t D, float scaling, int64_t count, const float *pick_scores,
+                     const uint8_t *pick_valid, const int64_t *pos, const void *shared, int64_t shared_head,
+                     int64_t S0, const void *own, int64_t own_head, int64_t kind, float *out, float *weights,
+                     float *lse);
 
 /* The host tier's stores: key and value rows (Hk heads, rows of D elements of `kind`), a fork's parent part
    (positions below S0; NULL when not a fork) and the tier's own (position p at row p - S0). */
@@ -94,23 +98,115 @@ static void file_token(const float *k, const float *v, int64_t Hk, int64_t D, co
   *T->slot_pos = t;
 }
 
+/* token t's approximate score for query row g: its codes' table entries summed over the sub-spaces in order */
+static inline float approx_score(const float *tables, const Index *X, const uint8_t *codes, int64_t t, int64_t G,
+                                 int64_t g) {
+  float sum = tables[(int64_t)codes[t] * G + g];
+  for (int64_t j = 1; j < X->m; j++) sum += tables[(j * X->C + codes[j * X->code_sub + t]) * G + g];
+  return sum;
+}
+
+/* Completion (engine/completion.py) for one KV head: the candidates that are not picks, their part of the softmax
+   estimated and summed by cell. A candidate of the re-rank (top: wide positions, exact (wide, G) their exact scores)
+   scores exactly, another its PQ score shifted by the calibration offset (engine/mass.py: the exact scores'
+   log-sum-exp over the re-rank's candidates less their PQ scores'); its value is the mean over the sub-spaces of its
+   cells' mean values (means (m C, D)). picked: the k of top taken (idx). -> lse (G,) the part's log-sum-exp (-inf
+   where no token is left out) and out (G, D) its output, normalised over the part. mark: n bytes, cells: m C G
+   floats of scratch. The same arithmetic as completion.unselected_part, summed in another order. */
+static void unselected_part(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand, int64_t n,
+                            const int64_t *top, const float *exact, int64_t wide, const int64_t *idx, int64_t k,
+                            int64_t G, const float *means, int64_t D, uint8_t *mark, float *cells, float *lse,
+                            float *out) {
+  int64_t m = X->m, P = m * X->C;
+  memset(mark, 0, n);
+  for (int64_t i = 0; i < wide; i++) mark[top[i]] = 1; /* known: scored exactly */
+  for (int64_t i = 0; i < k; i++) mark[top[idx[i]]] = 2; /* picked: attended, not estimated */
+  float offset[64], best[64];
+  double z[64];
+  for (int64_t g = 0; g < G; g++) { /* the calibration offset over the re-rank's candidates */
+    float e_top = -INFINITY, a_top = -INFINITY;
+    for (int64_t i = 0; i < wide; i++) {
+      float e = exact[i * G + g], a = approx_score(tables, X, codes, top[i], G, g);
+      e_top = e > e_top ? e : e_top;
+      a_top = a > a_top ? a : a_top;
+    }
+    double e_sum = 0.0, a_sum = 0.0;
+    for (int64_t i = 0; i < wide; i++) {
+      e_sum += exp((double)exact[i * G + g] - e_top);
+      a_sum += exp((double)approx_score(tables, X, codes, top[i], G, g) - a_top);
+    }
+    offset[g] = wide > 0 ? (float)((e_top + log(e_sum)) - (a_top + log(a_sum))) : 0.0f;
+    best[g] = -INFINITY;
+    z[g] = 0.0;
+  }
+  for (int64_t i = 0; i < wide; i++) /* the known ones left out */
+    if (mark[top[i]] == 1)
+      for (int64_t g = 0; g < G; g++) best[g] = exact[i * G + g] > best[g] ? exact[i * G + g] : best[g];
+  for (int64_t t = 0; t < n; t++)
+    if (cand[t] && !mark[t])
+      for (int64_t g = 0; g < G; g++) {
+        float s = approx_score(tables, X, codes, t, G, g) + offset[g];
+        best[g] = s > best[g] ? s : best[g];
+      }
+  memset(cells, 0, sizeof(float) * P * G);
+  for (int64_t i = 0; i < wide; i++)
+    if (mark[top[i]] == 1)
+      for (int64_t g = 0; g < G; g++) {
+        float w = exp_nonpositive(exact[i * G + g] - best[g]);
+        z[g] += w;
+        for (int64_t j = 0; j < m; j++) cells[(j * X->C + codes[j * X->code_sub + top[i]]) * G + g] += w;
+      }
+  for (int64_t t = 0; t < n; t++)
+    if (cand[t] && !mark[t])
+      for (int64_t g = 0; g < G; g++) {
+        float w = exp_nonpositive(approx_score(tables, X, codes, t, G, g) + offset[g] - best[g]);
+        z[g] += w;
+        for (int64_t j = 0; j < m; j++) cells[(j * X->C + codes[j * X->code_sub + t]) * G + g] += w;
+      }
+  for (int64_t g = 0; g < G; g++) {
+    float *o = out + g * D;
+    memset(o, 0, sizeof(float) * D);
+    if (z[g] == 0.0) {
+      lse[g] = -INFINITY;
+      continue;
+    }
+    lse[g] = best[g] + (float)log(z[g]);
+    float scale = (float)(1.0 / (z[g] * m));
+    for (int64_t c = 0; c < P; c++) {
+      float w = cells[c * G + g] * scale;
+      if (w != 0.0f)
+        for (int64_t d = 0; d < D; d++) o[d] += w * means[c * D + d];
+    }
+  }
+}
+
 /* q (Hq, D) the token's query rows (unscaled); cand (n,) the candidates among tokens 0..n-1; the window's keys and
    values wk, wv (Hk heads of head_stride elements of w_kind, its first n_slots rows attended: sinks, ring, the new
    token, whose k_new, v_new (Hk, D) float32 this call writes into the last slot) -> pos (Hk, k) the picks in
    position order and out (Hq D,) the attention's output. Where T is not NULL, the new token, at position t, is also
    filed as pq_append files it: its codes from the tables' pass, its ring slot written after the attention has read
-   the token it replaces. 0, or -1 without scratch memory. */
+   the token it replaces. Where means is not NULL (Hk, m C, D: each cell's mean value), the candidates left out are
+   estimated and merged in by log-sum-exp (completion: unselected_part). 0, or -1 without scratch memory (or with
+   more than 64 query rows a KV head under completion). */
 int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, const Index *X, const uint8_t *cand,
             int64_t n, int sum_mode, int64_t wide, int64_t k, const Stores *S, void *wk, void *wv, int64_t w_kind,
             int64_t head_stride, int64_t n_slots, int64_t *pos, float *out, const float *k_new, const float *v_new,
-            const float *half_norm, int64_t t, const Token *T) {
+            const float *half_norm, int64_t t, const Token *T, const float *means) {
   int64_t G = Hq / Hk, m = X->m, C = X->C, d = D / X->m;
   float *qs = malloc(sizeof(float) * Hq * D), *tables = malloc(sizeof(float) * m * C * G);
   float *exact = malloc(sizeof(float) * wide * G), *scores = malloc(sizeof(float) * Hk * k * G);
   int64_t *top = malloc(sizeof(int64_t) * wide), *local = malloc(sizeof(int64_t) * wide),
           *idx = malloc(sizeof(int64_t) * k);
   uint8_t *valid = malloc(Hk * k);
+  /* completion's: the part left out, per query row (its log-sum-exp and output), the selection's log-sum-exp */
+  float *part_lse = NULL, *part_out = NULL, *sel_lse = NULL, *cells = NULL;
+  uint8_t *mark = NULL;
+  if (means) {
+    part_lse = malloc(sizeof(float) * Hq), part_out = malloc(sizeof(float) * Hq * D);
+    sel_lse = malloc(sizeof(float) * Hq), cells = malloc(sizeof(float) * m * C * G), mark = malloc(n);
+  }
   int failed = !qs || !tables || !exact || !scores || !top || !local || !idx || !valid;
+  failed = failed || (means && (!part_lse || !part_out || !sel_lse || !cells || !mark || G > 64));
   for (int64_t i = 0; !failed && i < Hq * D; i++) qs[i] = q[i] * scaling; /* methods' q * scaling, in float32 */
   for (int64_t c = 0; !failed && c < Hk; c++) { /* the new token's slot, rounded as torch's copy rounds it */
     int64_t slot = (c * head_stride + (n_slots - 1) * D) * kv_bytes((int)w_kind);
@@ -131,11 +227,21 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
       for (int64_t g = 0; g < G; g++) scores[(c * k + i) * G + g] = exact[idx[i] * G + g];
       valid[c * k + i] = 1;
     }
+    if (!failed && means)
+      unselected_part(tables, X, X->codes + c * X->code_head, cand, n, top, exact, wide, idx, k, G,
+                      means + c * m * C * D, D, mark, cells, part_lse + c * G, part_out + c * G * D);
   }
   if (!failed)
-    failed = attend_picks(q, Hq, wk, wv, w_kind, Hk, head_stride, n_slots, D, scaling, k, scores, valid, pos,
-                          S->S0 ? S->shared_v : NULL, S->shared_head, S->S0, S->own_v, S->own_head, S->kind, out,
-                          NULL);
+    failed = attend_picks_lse(q, Hq, wk, wv, w_kind, Hk, head_stride, n_slots, D, scaling, k, scores, valid, pos,
+                              S->S0 ? S->shared_v : NULL, S->shared_head, S->S0, S->own_v, S->own_head, S->kind, out,
+                              NULL, sel_lse);
+  for (int64_t h = 0; !failed && means && h < Hq; h++) { /* completion.merge: two parts of one softmax */
+    if (part_lse[h] == -INFINITY) continue;
+    float top_lse = sel_lse[h] > part_lse[h] ? sel_lse[h] : part_lse[h];
+    double a = exp((double)sel_lse[h] - top_lse), b = exp((double)part_lse[h] - top_lse);
+    float wa = (float)(a / (a + b)), wb = (float)(b / (a + b));
+    for (int64_t e = 0; e < D; e++) out[h * D + e] = wa * out[h * D + e] + wb * part_out[h * D + e];
+  }
   if (!failed && T) file_token(k_new, v_new, Hk, D, X, t, T);
   free(qs);
   free(tables);
@@ -145,6 +251,11 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
   free(local);
   free(idx);
   free(valid);
+  free(part_lse);
+  free(part_out);
+  free(sel_lse);
+  free(cells);
+  free(mark);
   return failed ? -1 : 0;
 }
 

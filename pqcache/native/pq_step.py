@@ -33,7 +33,18 @@ class _Token(ctypes.Structure):
     _fields_ += [(name, ctypes.c_int64) for name in ("own_head", "own_kind", "ring_head", "ring_kind", "joint_head")]
 
 
-def pq_step(q, scaling: float, index: tuple, cand, counts: tuple, mode: str, stores: tuple, window: tuple, token=None):
+def pq_step(
+    q,
+    scaling: float,
+    index: tuple,
+    cand,
+    counts: tuple,
+    mode: str,
+    stores: tuple,
+    window: tuple,
+    token=None,
+    means=None,
+):
     """A PQ layer's selection and attention for one token in one C call: pq_top's search for `wide` candidates, the
     re-rank's exact scores and combined_top's k picks (counts = (k, wide)), then attend_picks, with the same kernels
     (native/select.py); where token is given, the new token is then filed as pq_append files it.
@@ -44,7 +55,8 @@ def pq_step(q, scaling: float, index: tuple, cand, counts: tuple, mode: str, sto
     native.KV_KINDS (shared None when not a fork, own None when the tier has none yet). window: (keys, values, n,
     k_new, v_new): the window's buffer (Hk, N, D) of one kind, its first n slots attended, the last of them the new
     token's, written here from k_new, v_new (Hk, D) float32 -> the picks' positions (Hk, k) in position order and
-    the output (1, Hq * D)."""
+    the output (1, Hq * D). means (Hk, m C, D) float32, each PQ cell's mean value (engine/completion.py), or None:
+    with them the candidates not picked are estimated and merged into the output (completion)."""
     k, wide = counts
     shared_k, shared_v, S0, own_k, own_v = stores
     keys, values, n_slots, k_new, v_new = window
@@ -60,6 +72,11 @@ def pq_step(q, scaling: float, index: tuple, cand, counts: tuple, mode: str, sto
     stored = S0 + (0 if own_k is None else own_k.shape[1])
     if not 0 < k < wide <= cand.shape[0] <= min(codes.shape[-1], stored) or q.dtype != torch.float32:
         raise ValueError(f"pq_step: k {k}, wide {wide}, {cand.shape[0]} tokens, q {q.dtype}")
+    if means is not None:
+        _, m, C, _ = index[0].shape
+        if means.shape != (Hk, m * C, D) or means.dtype != torch.float32 or Hq // Hk > 64:
+            raise ValueError(f"pq_step: means {means.dtype} {tuple(means.shape)}, not ({Hk}, {m * C}, {D}) float32")
+        means = means.contiguous()
     X, keep = _index(index, D)
     q, cand, new = q.contiguous(), cand.contiguous(), _rows(k_new, v_new, Hk, D)
 
@@ -76,7 +93,7 @@ def pq_step(q, scaling: float, index: tuple, cand, counts: tuple, mode: str, sto
     args = (q.data_ptr(), Hq, Hk, D, scaling, ctypes.byref(X), cand.data_ptr(), cand.shape[0], MODES[mode], wide, k)
     args += (ctypes.byref(S), keys.data_ptr(), values.data_ptr(), native.KV_KINDS[keys.dtype], keys.stride(0), n_slots)
     args += (pos.data_ptr(), out.data_ptr(), new[0].data_ptr(), new[1].data_ptr(), address(norms), t)
-    if native.library().pq_step(*args, None if T is None else ctypes.byref(T)):
+    if native.library().pq_step(*args, None if T is None else ctypes.byref(T), address(means)):
         raise MemoryError("pq_step: no scratch memory")
     del keep  # the centroids the C call read (a copy where they were not contiguous)
     return pos, out

@@ -255,3 +255,34 @@ def test_the_tokens_attended_a_step_are_counted_on_every_path():
     assert runs["fixed"].attended_per_step() == pytest.approx(budget, abs=2.0)
     floor = SMALL["n_init"] + SMALL["n_local"] + PQCacheConfig.mass_floor_tokens
     assert floor <= runs["mass"].attended_per_step() < runs["fixed"].attended_per_step()
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch, monkeypatch):
+    """With completion the one-row decode step stays one C call (native/pq_step.c estimates the candidates left out
+    in the same pass, by cell): the general step's tokens, its logits within float rounding (another summation
+    order), every decode step through the fused call with the cells' mean values; an observer's steps and a
+    single-stage search (no re-rank to calibrate on in the call) take the general step."""
+    from pqcache.native import pq_step as native_step
+
+    model, ids = tiny_model(arch), _ids(400, seed=7)
+    config = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, completion=True, **SMALL)
+    calls, real = [], native_step.pq_step
+
+    def counted(*args, **kwargs):
+        calls.append(args[-1] is not None)
+        return real(*args, **kwargs)
+
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setattr(native_step, "pq_step", counted)
+        seq, scores = greedy_generate(model, ids, cache := PQCache(model, config), n=10)
+        observed = PQCache(model, config)
+        observed.instrument(attention_every=0, recall_every=0)
+        greedy_generate(model, ids, observed, n=3)
+        greedy_generate(model, ids, PQCache(model, PQCacheConfig(**{**config.to_dict(), "rerank": 1})), n=3)
+    assert len(calls) == 9 * len(cache.pq_layers) and all(calls)  # every decode step after the first token
+    _general_path(monkeypatch)
+    with torch.no_grad():
+        ref_seq, ref_scores = greedy_generate(model, ids, PQCache(model, config), n=10)
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(scores.nan_to_num(0, 0, 0), ref_scores.nan_to_num(0, 0, 0), rtol=1e-4, atol=1e-4)

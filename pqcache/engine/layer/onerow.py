@@ -32,6 +32,7 @@ from contextlib import nullcontext
 
 import torch
 
+from pqcache.engine import completion
 from pqcache.engine.layer.attention import masked_attention, query_key_dots
 from pqcache.engine.layer.probe import observe_picks
 from pqcache.engine.methods import pqcache as pq_method
@@ -48,7 +49,7 @@ def ready(layer, query: torch.Tensor) -> bool:
         return False
     if layer.obs is not None and layer.obs.selections:  # the position of every buffer slot: PQLayer.attend's
         return False
-    if layer.config.mass is not None or layer.config.completion:  # the mass estimate: PQLayer.attend's (issue 64)
+    if layer.config.mass is not None:  # a budget in mass: PQLayer.attend's (issue 64); completion: declines()
         return False
     index = layer.method_state.get("index")
     if index is None or len(index.segments) != 1 or index.rotations:
@@ -74,6 +75,27 @@ def _state(layer) -> _State:
     return state
 
 
+def declines(layer, query, new_valid, softcap=None) -> bool:
+    """Whether a step that ready() takes must go to PQLayer.attend after all: with completion, every step but the
+    fused C call's (which estimates the candidates left out in the same pass, native/pq_step.c) and one whose picks
+    are every candidate (nothing to estimate); under an observer too, which records the estimate's share."""
+    if not layer.config.completion:
+        return False
+    if layer.obs is not None or not (layer.config.kernels.fused and _fusable(layer, query, softcap, new_valid)):
+        return True
+    _, k, wide, n_cand = _fused_counts(layer)
+    return not (0 < k < wide or n_cand <= k)
+
+
+def _fused_counts(layer) -> tuple:
+    """The fused step's candidates (window.candidates() less its tail, the window's last tokens that are never
+    candidates: a view), its k picks and the re-rank's `wide` first-stage candidates, and how many candidates."""
+    host = layer.host
+    cand = host.searchable[0, : max(0, host.S - layer.window.n_local[0])]
+    k, n_cand = layer.topk_counts()[0], int(torch.count_nonzero(cand))
+    return cand, k, first_stage_count(layer.config, k, n_cand), n_cand
+
+
 def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) -> torch.Tensor:
     """query (1, Hq, 1, D), k_new, v_new (1, H, 1, D), new_valid (1, 1) -> attention output (1, 1, Hq, D), with
     the layer's tiers, index and counters updated as PQLayer.attend updates them."""
@@ -86,9 +108,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     # the step's budget and candidates (what PQLayer.select's view reads)
     k = layer.topk_counts()[0]
     if config.kernels.fused and _fusable(layer, query, softcap, new_valid):
-        # window.candidates() less its tail (the window's last tokens: never candidates), a view
-        cand = host.searchable[0, : max(0, S - window.n_local[0])]
-        wide = first_stage_count(config, k, int(torch.count_nonzero(cand)))
+        cand, k, wide, _ = _fused_counts(layer)
         if 0 < k < wide:
             return _fused(layer, index, query, cand, (k, wide), k_new, v_new, scaling)
     cand = window.candidates()  # (1, S): real tokens that are not sinks, older than the window
@@ -181,7 +201,10 @@ def _fused(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> t
     new = (k_new[0, :, 0], v_new[0, :, 0])
     slots = (window.k[0], window.v[0], lo + 1, *new)
     args = (query.reshape(Hq, D), scaling, _index(index), cand, counts, layer.config.gqa_combine, stores, slots)
-    top, out = native_step.pq_step(*args, token)
+    means = None
+    if layer.config.completion:  # each PQ cell's mean value, the candidates left out estimated in the same call
+        means = completion.value_means(layer.method_state, index, host).means()[0]  # (H, m C, D)
+    top, out = native_step.pq_step(*args, token, means)
     top = top[None]  # (1, H, k): every pick valid (a candidate, in the re-rank's k)
     top_valid = torch.ones_like(top, dtype=torch.bool)
     moved = window.counted(0, top.numel(), top.numel(), False, 0)  # no block cache: every pick read in the host tier
