@@ -13,6 +13,7 @@
    C about 0.08 when called alone (a 4K context, Zen 4, ad hoc): most of that is the codebook read from memory again.
    pq_append files a token alone (an observed step, whose timeline shows the filing as its own span). */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -98,71 +99,120 @@ static void file_token(const float *k, const float *v, int64_t Hk, int64_t D, co
   *T->slot_pos = t;
 }
 
-/* token t's approximate score for query row g: its codes' table entries summed over the sub-spaces in order */
-static inline float approx_score(const float *tables, const Index *X, const uint8_t *codes, int64_t t, int64_t G,
-                                 int64_t g) {
-  float sum = tables[(int64_t)codes[t] * G + g];
-  for (int64_t j = 1; j < X->m; j++) sum += tables[(j * X->C + codes[j * X->code_sub + t]) * G + g];
-  return sum;
+/* token t's approximate scores for the G query rows, plus offset (G,): its codes' table rows summed over the
+   sub-spaces in order (tables (m, C, G): a code's G entries are adjacent) */
+static inline void approx_scores(const float *tables, const Index *X, const uint8_t *codes, int64_t t, int64_t G,
+                                 const float *offset, float *s) {
+  const float *row = tables + (int64_t)codes[t] * G;
+  for (int64_t g = 0; g < G; g++) s[g] = row[g];
+  for (int64_t j = 1; j < X->m; j++) {
+    row = tables + (j * X->C + codes[j * X->code_sub + t]) * G;
+    for (int64_t g = 0; g < G; g++) s[g] += row[g];
+  }
+  for (int64_t g = 0; g < G; g++) s[g] += offset[g];
 }
+
+/* w (G,) into token t's m cells of cells (m C, G) */
+static inline void add_to_cells(float *cells, const Index *X, const uint8_t *codes, int64_t t, int64_t G,
+                                const float *w) {
+  for (int64_t j = 0; j < X->m; j++) {
+    float *cell = cells + (j * X->C + codes[j * X->code_sub + t]) * G;
+    for (int64_t g = 0; g < G; g++) cell[g] += w[g];
+  }
+}
+
+#define COMPLETE_SPLIT 4096 /* candidates from which the passes over them are split between the threads */
 
 /* Completion (engine/completion.py) for one KV head: the candidates that are not picks, their part of the softmax
    estimated and summed by cell. A candidate of the re-rank (top: wide positions, exact (wide, G) their exact scores)
    scores exactly, another its PQ score shifted by the calibration offset (engine/mass.py: the exact scores'
    log-sum-exp over the re-rank's candidates less their PQ scores'); its value is the mean over the sub-spaces of its
    cells' mean values (means (m C, D)). picked: the k of top taken (idx). -> lse (G,) the part's log-sum-exp (-inf
-   where no token is left out) and out (G, D) its output, normalised over the part. mark: n bytes, cells: m C G
-   floats of scratch. The same arithmetic as completion.unselected_part, summed in another order. */
-static void unselected_part(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand, int64_t n,
-                            const int64_t *top, const float *exact, int64_t wide, const int64_t *idx, int64_t k,
-                            int64_t G, const float *means, int64_t D, uint8_t *mark, float *cells, float *lse,
-                            float *out) {
+   where no token is left out) and out (G, D) its output, normalised over the part. mark: n bytes of scratch. The same
+   arithmetic as completion.unselected_part, summed in another order (and split between the threads from
+   COMPLETE_SPLIT candidates on: each its own cells, added in thread order). 0, or -1 without scratch memory. */
+static int unselected_part(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand, int64_t n,
+                           const int64_t *top, const float *exact, int64_t wide, const int64_t *idx, int64_t k,
+                           int64_t G, const float *means, int64_t D, uint8_t *mark, float *lse, float *out) {
   int64_t m = X->m, P = m * X->C;
+  int threads = n >= COMPLETE_SPLIT ? omp_get_max_threads() : 1;
+  float *cells = calloc((size_t)threads * P * G, sizeof(float)); /* each thread's (m C, G) sums */
+  double *z = calloc((size_t)threads * G, sizeof(double));
+  if (cells == NULL || z == NULL) {
+    free(cells);
+    free(z);
+    return -1;
+  }
   memset(mark, 0, n);
   for (int64_t i = 0; i < wide; i++) mark[top[i]] = 1; /* known: scored exactly */
   for (int64_t i = 0; i < k; i++) mark[top[idx[i]]] = 2; /* picked: attended, not estimated */
-  float offset[64], best[64];
-  double z[64];
-  for (int64_t g = 0; g < G; g++) { /* the calibration offset over the re-rank's candidates */
-    float e_top = -INFINITY, a_top = -INFINITY;
+  float offset[64] = {0}, zero[64] = {0}, best[64], s[64];
+  if (wide > 0) { /* the calibration offset over the re-rank's candidates */
+    float e_top[64], a_top[64];
+    double e_sum[64] = {0}, a_sum[64] = {0};
+    for (int64_t g = 0; g < G; g++) e_top[g] = a_top[g] = -INFINITY;
     for (int64_t i = 0; i < wide; i++) {
-      float e = exact[i * G + g], a = approx_score(tables, X, codes, top[i], G, g);
-      e_top = e > e_top ? e : e_top;
-      a_top = a > a_top ? a : a_top;
+      approx_scores(tables, X, codes, top[i], G, zero, s);
+      for (int64_t g = 0; g < G; g++) {
+        e_top[g] = exact[i * G + g] > e_top[g] ? exact[i * G + g] : e_top[g];
+        a_top[g] = s[g] > a_top[g] ? s[g] : a_top[g];
+      }
     }
-    double e_sum = 0.0, a_sum = 0.0;
     for (int64_t i = 0; i < wide; i++) {
-      e_sum += exp((double)exact[i * G + g] - e_top);
-      a_sum += exp((double)approx_score(tables, X, codes, top[i], G, g) - a_top);
+      approx_scores(tables, X, codes, top[i], G, zero, s);
+      for (int64_t g = 0; g < G; g++) {
+        e_sum[g] += exp((double)exact[i * G + g] - e_top[g]);
+        a_sum[g] += exp((double)s[g] - a_top[g]);
+      }
     }
-    offset[g] = wide > 0 ? (float)((e_top + log(e_sum)) - (a_top + log(a_sum))) : 0.0f;
-    best[g] = -INFINITY;
-    z[g] = 0.0;
+    for (int64_t g = 0; g < G; g++) offset[g] = (float)((e_top[g] + log(e_sum[g])) - (a_top[g] + log(a_sum[g])));
   }
+  for (int64_t g = 0; g < G; g++) best[g] = -INFINITY;
   for (int64_t i = 0; i < wide; i++) /* the known ones left out */
     if (mark[top[i]] == 1)
       for (int64_t g = 0; g < G; g++) best[g] = exact[i * G + g] > best[g] ? exact[i * G + g] : best[g];
-  for (int64_t t = 0; t < n; t++)
-    if (cand[t] && !mark[t])
-      for (int64_t g = 0; g < G; g++) {
-        float s = approx_score(tables, X, codes, t, G, g) + offset[g];
-        best[g] = s > best[g] ? s : best[g];
+#pragma omp parallel num_threads(threads)
+  {
+    float mine[64], row[64];
+    for (int64_t g = 0; g < G; g++) mine[g] = -INFINITY;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n; t++)
+      if (cand[t] && !mark[t]) {
+        approx_scores(tables, X, codes, t, G, offset, row);
+        for (int64_t g = 0; g < G; g++) mine[g] = row[g] > mine[g] ? row[g] : mine[g];
       }
-  memset(cells, 0, sizeof(float) * P * G);
-  for (int64_t i = 0; i < wide; i++)
-    if (mark[top[i]] == 1)
+#pragma omp critical
+    for (int64_t g = 0; g < G; g++) best[g] = mine[g] > best[g] ? mine[g] : best[g];
+  }
+  float w[64];
+  for (int64_t i = 0; i < wide; i++) /* the known ones into the first thread's cells */
+    if (mark[top[i]] == 1) {
       for (int64_t g = 0; g < G; g++) {
-        float w = exp_nonpositive(exact[i * G + g] - best[g]);
-        z[g] += w;
-        for (int64_t j = 0; j < m; j++) cells[(j * X->C + codes[j * X->code_sub + top[i]]) * G + g] += w;
+        w[g] = exp_nonpositive(exact[i * G + g] - best[g]);
+        z[g] += w[g];
       }
-  for (int64_t t = 0; t < n; t++)
-    if (cand[t] && !mark[t])
-      for (int64_t g = 0; g < G; g++) {
-        float w = exp_nonpositive(approx_score(tables, X, codes, t, G, g) + offset[g] - best[g]);
-        z[g] += w;
-        for (int64_t j = 0; j < m; j++) cells[(j * X->C + codes[j * X->code_sub + t]) * G + g] += w;
+      add_to_cells(cells, X, codes, top[i], G, w);
+    }
+#pragma omp parallel num_threads(threads)
+  {
+    int th = omp_get_thread_num();
+    float *mine = cells + (int64_t)th * P * G, row[64];
+    double *zt = z + th * G;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < n; t++)
+      if (cand[t] && !mark[t]) {
+        approx_scores(tables, X, codes, t, G, offset, row);
+        for (int64_t g = 0; g < G; g++) {
+          row[g] = exp_nonpositive(row[g] - best[g]);
+          zt[g] += row[g];
+        }
+        add_to_cells(mine, X, codes, t, G, row);
       }
+  }
+  for (int th = 1; th < threads; th++) { /* the threads' sums, in thread order */
+    for (int64_t i = 0; i < P * G; i++) cells[i] += cells[(int64_t)th * P * G + i];
+    for (int64_t g = 0; g < G; g++) z[g] += z[th * G + g];
+  }
   for (int64_t g = 0; g < G; g++) {
     float *o = out + g * D;
     memset(o, 0, sizeof(float) * D);
@@ -173,11 +223,14 @@ static void unselected_part(const float *tables, const Index *X, const uint8_t *
     lse[g] = best[g] + (float)log(z[g]);
     float scale = (float)(1.0 / (z[g] * m));
     for (int64_t c = 0; c < P; c++) {
-      float w = cells[c * G + g] * scale;
-      if (w != 0.0f)
-        for (int64_t d = 0; d < D; d++) o[d] += w * means[c * D + d];
+      float wc = cells[c * G + g] * scale;
+      if (wc != 0.0f)
+        for (int64_t d = 0; d < D; d++) o[d] += wc * means[c * D + d];
     }
   }
+  free(cells);
+  free(z);
+  return 0;
 }
 
 /* q (Hq, D) the token's query rows (unscaled); cand (n,) the candidates among tokens 0..n-1; the window's keys and
@@ -199,14 +252,14 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
           *idx = malloc(sizeof(int64_t) * k);
   uint8_t *valid = malloc(Hk * k);
   /* completion's: the part left out, per query row (its log-sum-exp and output), the selection's log-sum-exp */
-  float *part_lse = NULL, *part_out = NULL, *sel_lse = NULL, *cells = NULL;
+  float *part_lse = NULL, *part_out = NULL, *sel_lse = NULL;
   uint8_t *mark = NULL;
   if (means) {
     part_lse = malloc(sizeof(float) * Hq), part_out = malloc(sizeof(float) * Hq * D);
-    sel_lse = malloc(sizeof(float) * Hq), cells = malloc(sizeof(float) * m * C * G), mark = malloc(n);
+    sel_lse = malloc(sizeof(float) * Hq), mark = malloc(n);
   }
   int failed = !qs || !tables || !exact || !scores || !top || !local || !idx || !valid;
-  failed = failed || (means && (!part_lse || !part_out || !sel_lse || !cells || !mark || G > 64));
+  failed = failed || (means && (!part_lse || !part_out || !sel_lse || !mark || G > 64));
   for (int64_t i = 0; !failed && i < Hq * D; i++) qs[i] = q[i] * scaling; /* methods' q * scaling, in float32 */
   for (int64_t c = 0; !failed && c < Hk; c++) { /* the new token's slot, rounded as torch's copy rounds it */
     int64_t slot = (c * head_stride + (n_slots - 1) * D) * kv_bytes((int)w_kind);
@@ -228,8 +281,8 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
       valid[c * k + i] = 1;
     }
     if (!failed && means)
-      unselected_part(tables, X, X->codes + c * X->code_head, cand, n, top, exact, wide, idx, k, G,
-                      means + c * m * C * D, D, mark, cells, part_lse + c * G, part_out + c * G * D);
+      failed = unselected_part(tables, X, X->codes + c * X->code_head, cand, n, top, exact, wide, idx, k, G,
+                               means + c * m * C * D, D, mark, part_lse + c * G, part_out + c * G * D);
   }
   if (!failed)
     failed = attend_picks_lse(q, Hq, wk, wv, w_kind, Hk, head_stride, n_slots, D, scaling, k, scores, valid, pos,
@@ -254,7 +307,6 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
   free(part_lse);
   free(part_out);
   free(sel_lse);
-  free(cells);
   free(mark);
   return failed ? -1 : 0;
 }

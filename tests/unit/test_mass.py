@@ -1,6 +1,7 @@
 """Issue 64's first slice: the attention mass estimated from every token's PQ score, a budget in mass, and the
 unselected tokens' attention completed from their codes; exact wherever the selection covers every token."""
 
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -286,3 +287,43 @@ def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch,
         ref_seq, ref_scores = greedy_generate(model, ids, PQCache(model, config), n=10)
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(scores.nan_to_num(0, 0, 0), ref_scores.nan_to_num(0, 0, 0), rtol=1e-4, atol=1e-4)
+
+
+def test_completion_over_thousands_of_candidates_is_split_between_threads_and_stays_the_same():
+    """From 4,096 candidates on the fused call's passes over them are split between the threads (each its own
+    cells, added in order): on 6,000 random keys with one KV head and four query rows (Gemma 3's shape), eight decode
+    steps give the general step's outputs within float rounding, with one thread and with two."""
+    from pqcache.engine.layer.standalone import InlineExecutor, filled_layer
+    from pqcache.engine.methods.pqcache import PQCacheMethod
+
+    g = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(1, 1, 6000, 64, generator=g), torch.randn(1, 1, 6000, 64, generator=g)
+    config = PQCacheConfig(token_budget=0.05, rerank_min_tokens=0, completion=True, n_init=4, bits=6).for_head_dim(64)
+    parent = filled_layer(keys, values, replace(config, completion=False), iters=5)
+    steps = [(torch.randn(1, 4, 1, 64, generator=g), torch.randn(1, 1, 1, 64, generator=g)) for _ in range(8)]
+
+    def run(one_row: bool, threads: int):
+        layer = parent.fork(PQCacheMethod(), InlineExecutor(), config)
+        outs, before = [], torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for q, kv in steps:
+                layer.update(kv, -kv)
+                if not one_row:
+                    with pytest.MonkeyPatch.context() as m:
+                        m.setattr(onerow, "ready", lambda layer, query: False)
+                        outs.append(layer.attend(q, torch.ones(1, 1, dtype=torch.bool), 0.125))
+                else:
+                    outs.append(layer.attend(q, torch.ones(1, 1, dtype=torch.bool), 0.125))
+        finally:
+            torch.set_num_threads(before)
+        return torch.cat(outs)
+
+    from pqcache.native import pq_step as native_step
+
+    reference, calls, real = run(False, 1), [], native_step.pq_step
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(native_step, "pq_step", lambda *a, **kw: calls.append(a[-1] is not None) or real(*a, **kw))
+        for threads in (1, 2):
+            torch.testing.assert_close(run(True, threads), reference, rtol=1e-4, atol=1e-5)
+    assert calls == [True] * 16  # every step of both runs in the fused call, with the cells' mean values
