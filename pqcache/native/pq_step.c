@@ -122,6 +122,7 @@ static inline void add_to_cells(float *cells, const Index *X, const uint8_t *cod
 }
 
 #define COMPLETE_SPLIT 4096 /* candidates from which the passes over them are split between the threads */
+#define COMPLETE_BLOCK 1024 /* scores (tokens x query rows) a thread holds at a time */
 
 /* Completion (engine/completion.py) for one KV head: the candidates that are not picks, their part of the softmax
    estimated and summed by cell. A candidate of the re-rank (top: wide positions, exact (wide, G) their exact scores)
@@ -161,29 +162,28 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
     for (int64_t i = 0; i < wide; i++) {
       approx_scores(tables, X, codes, top[i], G, zero, s);
       for (int64_t g = 0; g < G; g++) {
-        e_sum[g] += exp((double)exact[i * G + g] - e_top[g]);
-        a_sum[g] += exp((double)s[g] - a_top[g]);
+        e_sum[g] += exp_nonpositive(exact[i * G + g] - e_top[g]);
+        a_sum[g] += exp_nonpositive(s[g] - a_top[g]);
       }
     }
     for (int64_t g = 0; g < G; g++) offset[g] = (float)((e_top[g] + log(e_sum[g])) - (a_top[g] + log(a_sum[g])));
   }
-  for (int64_t g = 0; g < G; g++) best[g] = -INFINITY;
+  /* the softmax's shift: no approximate score passes the sum over the sub-spaces of their largest table entry, so
+     one pass over the candidates suffices (a score far below it only loses exponent range, not precision) */
+  for (int64_t g = 0; g < G; g++) {
+    best[g] = offset[g];
+    for (int64_t j = 0; j < m; j++) {
+      float top_entry = -INFINITY;
+      for (int64_t c = 0; c < X->C; c++) {
+        float e = tables[(j * X->C + c) * G + g];
+        top_entry = e > top_entry ? e : top_entry;
+      }
+      best[g] += top_entry;
+    }
+  }
   for (int64_t i = 0; i < wide; i++) /* the known ones left out */
     if (mark[top[i]] == 1)
       for (int64_t g = 0; g < G; g++) best[g] = exact[i * G + g] > best[g] ? exact[i * G + g] : best[g];
-#pragma omp parallel num_threads(threads)
-  {
-    float mine[64], row[64];
-    for (int64_t g = 0; g < G; g++) mine[g] = -INFINITY;
-#pragma omp for schedule(static)
-    for (int64_t t = 0; t < n; t++)
-      if (cand[t] && !mark[t]) {
-        approx_scores(tables, X, codes, t, G, offset, row);
-        for (int64_t g = 0; g < G; g++) mine[g] = row[g] > mine[g] ? row[g] : mine[g];
-      }
-#pragma omp critical
-    for (int64_t g = 0; g < G; g++) best[g] = mine[g] > best[g] ? mine[g] : best[g];
-  }
   float w[64];
   for (int64_t i = 0; i < wide; i++) /* the known ones into the first thread's cells */
     if (mark[top[i]] == 1) {
@@ -193,21 +193,28 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
       }
       add_to_cells(cells, X, codes, top[i], G, w);
     }
+  int64_t per_block = COMPLETE_BLOCK / G; /* tokens a block: their scores, then one loop of exponentials */
 #pragma omp parallel num_threads(threads)
   {
     int th = omp_get_thread_num();
-    float *mine = cells + (int64_t)th * P * G, row[64];
+    float *mine = cells + (int64_t)th * P * G, sc[COMPLETE_BLOCK];
+    int64_t who[COMPLETE_BLOCK];
     double *zt = z + th * G;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < n; t++)
-      if (cand[t] && !mark[t]) {
-        approx_scores(tables, X, codes, t, G, offset, row);
-        for (int64_t g = 0; g < G; g++) {
-          row[g] = exp_nonpositive(row[g] - best[g]);
-          zt[g] += row[g];
+    for (int64_t t0 = 0; t0 < n; t0 += per_block) {
+      int64_t count = 0, t1 = t0 + per_block < n ? t0 + per_block : n;
+      for (int64_t t = t0; t < t1; t++)
+        if (cand[t] && !mark[t]) {
+          approx_scores(tables, X, codes, t, G, offset, sc + count * G);
+          for (int64_t g = 0; g < G; g++) sc[count * G + g] -= best[g];
+          who[count++] = t;
         }
-        add_to_cells(mine, X, codes, t, G, row);
+      for (int64_t i = 0; i < count * G; i++) sc[i] = exp_nonpositive(sc[i]); /* vectorized */
+      for (int64_t c = 0; c < count; c++) {
+        for (int64_t g = 0; g < G; g++) zt[g] += sc[c * G + g];
+        add_to_cells(mine, X, codes, who[c], G, sc + c * G);
       }
+    }
   }
   for (int th = 1; th < threads; th++) { /* the threads' sums, in thread order */
     for (int64_t i = 0; i < P * G; i++) cells[i] += cells[(int64_t)th * P * G + i];

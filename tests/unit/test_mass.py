@@ -280,6 +280,7 @@ def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch,
         observed = PQCache(model, config)
         observed.instrument(attention_every=0, recall_every=0)
         greedy_generate(model, ids, observed, n=3)
+        observed.close()  # its hooks off the model
         greedy_generate(model, ids, PQCache(model, PQCacheConfig(**{**config.to_dict(), "rerank": 1})), n=3)
     assert len(calls) == 9 * len(cache.pq_layers) and all(calls)  # every decode step after the first token
     _general_path(monkeypatch)
