@@ -121,6 +121,17 @@ static inline void add_to_cells(float *cells, const Index *X, const uint8_t *cod
   }
 }
 
+/* a log-sum-exp kept as its running maximum top and the sum of exp(x - top), x added (the sum rescaled when x is a
+   new maximum: one pass over the values) */
+static inline void running_lse(float x, float *top, double *sum) {
+  if (x > *top) {
+    *sum = *sum * exp_nonpositive(*top - x) + 1.0;
+    *top = x;
+  } else {
+    *sum += exp_nonpositive(x - *top);
+  }
+}
+
 #define COMPLETE_SPLIT 4096 /* candidates from which the passes over them are split between the threads */
 #define COMPLETE_BLOCK 1024 /* scores (tokens x query rows) a thread holds at a time */
 
@@ -148,22 +159,15 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
   for (int64_t i = 0; i < wide; i++) mark[top[i]] = 1; /* known: scored exactly */
   for (int64_t i = 0; i < k; i++) mark[top[idx[i]]] = 2; /* picked: attended, not estimated */
   float offset[64] = {0}, zero[64] = {0}, best[64], s[64];
-  if (wide > 0) { /* the calibration offset over the re-rank's candidates */
+  if (wide > 0) { /* the calibration offset over the re-rank's candidates, each read once */
     float e_top[64], a_top[64];
     double e_sum[64] = {0}, a_sum[64] = {0};
     for (int64_t g = 0; g < G; g++) e_top[g] = a_top[g] = -INFINITY;
     for (int64_t i = 0; i < wide; i++) {
       approx_scores(tables, X, codes, top[i], G, zero, s);
       for (int64_t g = 0; g < G; g++) {
-        e_top[g] = exact[i * G + g] > e_top[g] ? exact[i * G + g] : e_top[g];
-        a_top[g] = s[g] > a_top[g] ? s[g] : a_top[g];
-      }
-    }
-    for (int64_t i = 0; i < wide; i++) {
-      approx_scores(tables, X, codes, top[i], G, zero, s);
-      for (int64_t g = 0; g < G; g++) {
-        e_sum[g] += exp_nonpositive(exact[i * G + g] - e_top[g]);
-        a_sum[g] += exp_nonpositive(s[g] - a_top[g]);
+        running_lse(exact[i * G + g], e_top + g, e_sum + g);
+        running_lse(s[g], a_top + g, a_sum + g);
       }
     }
     for (int64_t g = 0; g < G; g++) offset[g] = (float)((e_top[g] + log(e_sum[g])) - (a_top[g] + log(a_sum[g])));

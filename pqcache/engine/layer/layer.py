@@ -223,9 +223,10 @@ class PQLayer(CacheLayerMixin):
         k_new, v_new = self.pending
         self.pending = None
         self.method.prepare(self.view())  # install finished background work (the first use waits)
-        # a decode step of one row: the same step in few operators (onerow.py)
-        if onerow.ready(self, query) and not onerow.declines(self, query, new_valid, softcap):
-            return onerow.attend(self, query, k_new, v_new, new_valid, scaling, softcap)
+        if onerow.ready(self, query):  # a decode step of one row: the same step in few operators (onerow.py)
+            out = onerow.attend(self, query, k_new, v_new, new_valid, scaling, softcap)
+            if out is not None:  # (None: a step with completion the fused call cannot take)
+                return out
         self._one_row = None  # what onerow.py knew of the window may not hold after this step
         return general.attend(self, query, k_new, v_new, new_valid, scaling, softcap)
 

@@ -49,7 +49,7 @@ def ready(layer, query: torch.Tensor) -> bool:
         return False
     if layer.obs is not None and layer.obs.selections:  # the position of every buffer slot: PQLayer.attend's
         return False
-    if layer.config.mass is not None:  # a budget in mass: PQLayer.attend's (issue 64); completion: declines()
+    if layer.config.mass is not None:  # a budget in mass: PQLayer.attend's (issue 64); completion: attend() says
         return False
     index = layer.method_state.get("index")
     if index is None or len(index.segments) != 1 or index.rotations:
@@ -75,18 +75,6 @@ def _state(layer) -> _State:
     return state
 
 
-def declines(layer, query, new_valid, softcap=None) -> bool:
-    """Whether a step that ready() takes must go to PQLayer.attend after all: with completion, every step but the
-    fused C call's (which estimates the candidates left out in the same pass, native/pq_step.c) and one whose picks
-    are every candidate (nothing to estimate); under an observer too, which records the estimate's share."""
-    if not layer.config.completion:
-        return False
-    if layer.obs is not None or not (layer.config.kernels.fused and _fusable(layer, query, softcap, new_valid)):
-        return True
-    _, k, wide, n_cand = _fused_counts(layer)
-    return not (0 < k < wide or n_cand <= k)
-
-
 def _fused_counts(layer) -> tuple:
     """The fused step's candidates (window.candidates() less its tail, the window's last tokens that are never
     candidates: a view), its k picks and the re-rank's `wide` first-stage candidates, and how many candidates."""
@@ -96,9 +84,12 @@ def _fused_counts(layer) -> tuple:
     return cand, k, first_stage_count(layer.config, k, n_cand), n_cand
 
 
-def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) -> torch.Tensor:
+def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) -> torch.Tensor | None:
     """query (1, Hq, 1, D), k_new, v_new (1, H, 1, D), new_valid (1, 1) -> attention output (1, 1, Hq, D), with
-    the layer's tiers, index and counters updated as PQLayer.attend updates them."""
+    the layer's tiers, index and counters updated as PQLayer.attend updates them. None, before anything is changed,
+    for a step with completion that the fused C call cannot take (which estimates the candidates left out in the
+    same pass, native/pq_step.c) and whose picks are not every candidate, or that is observed (the general step
+    records the estimate's share): PQLayer.attend's general step then takes it."""
     host, window, config, state = layer.host, layer.window, layer.config, _state(layer)
     index = layer.method_state["index"]
     _, Hq, _, D = query.shape
@@ -107,10 +98,17 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
 
     # the step's budget and candidates (what PQLayer.select's view reads)
     k = layer.topk_counts()[0]
+    completing = config.completion
+    if completing and layer.obs is not None:
+        return None
     if config.kernels.fused and _fusable(layer, query, softcap, new_valid):
-        cand, k, wide, _ = _fused_counts(layer)
+        cand, k, wide, n_cand = _fused_counts(layer)
         if 0 < k < wide:
             return _fused(layer, index, query, cand, (k, wide), k_new, v_new, scaling)
+        if completing and n_cand > k:
+            return None
+    elif completing:
+        return None
     cand = window.candidates()  # (1, S): real tokens that are not sinks, older than the window
     n_cand = int(cand.sum())
     k_max = min(k, S)

@@ -158,9 +158,8 @@ def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, 
     kw = top.shape[2]
     exact = exact_scores_at(host, q, top) if exact is None else exact  # (B, H, k', R) on the host
     ok, mode = valid.to(host.host), config.gqa_combine
-    if config.kernels.native_select and native_select.usable(
-        exact, exact.shape[3]
-    ):  # ties to the earliest of top, as below
+    in_c = config.kernels.native_select and native_select.usable(exact, exact.shape[3])
+    if in_c:  # ties to the earliest of top, as below
         pick, pick_valid = native_select.combined_top(exact, ok, ks, min(max(ks), kw), mode)
     else:
         combined = combine_rows(exact, ok, mode)  # (B, H, k'); top is in position order, so ties go to the earliest
