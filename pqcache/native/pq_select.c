@@ -28,17 +28,20 @@
 #define MAX_ROWS 16
 
 /* The calls' working memory (about 2.3 MB at 32K tokens), kept per calling thread between calls: malloc would map
-   and fault in fresh pages every call, which cost more than the selection itself (0.6 of 0.9 ms at 32K). */
-static _Thread_local float *scratch;
-static _Thread_local size_t scratch_floats;
+   and fault in fresh pages every call, which cost more than the selection itself (0.6 of 0.9 ms at 32K). Two areas:
+   the search's (SEARCH) and the re-rank's combine (RERANK), so that pq_step.c's completion can read the search's
+   rows after the re-rank's top-k (pq_search_rows). */
+enum { SEARCH, RERANK };
+static _Thread_local float *scratch[2];
+static _Thread_local size_t scratch_floats[2];
 
-static float *workspace(size_t floats) {
-  if (floats > scratch_floats) {
-    free(scratch);
-    scratch = malloc(floats * sizeof(float));
-    scratch_floats = scratch == NULL ? 0 : floats;
+static float *workspace(int area, size_t floats) {
+  if (floats > scratch_floats[area]) {
+    free(scratch[area]);
+    scratch[area] = malloc(floats * sizeof(float));
+    scratch_floats[area] = scratch[area] == NULL ? 0 : floats;
   }
-  return scratch;
+  return scratch[area];
 }
 
 /* a float's order as an unsigned integer (larger float, larger key); NaN lowest */
@@ -62,17 +65,18 @@ static float lane_sum(const float *x, int64_t n) {
 }
 
 /* combined (n,) from scores (R, n), one row per query row; cand (n,) nonzero for candidates, NULL for all. Not
-   candidates: -inf. sum_mode: the raw sum over rows, else softmax_sum. e: R * n floats, partial: R * n / BLOCK + R
-   floats of scratch. */
+   candidates: -inf. sum_mode: the raw sum over rows, else softmax_sum, which leaves e (R, n) = exp(score - top[r])
+   over the candidates (0 elsewhere) and top (R,) each row's largest score over them. e: R * n floats, partial: R *
+   n / BLOCK + R floats of scratch. */
 static void combine(const float *scores, int64_t n, int64_t R, const uint8_t *cand, int sum_mode, float *e,
-                    float *partial, float *combined) {
+                    float *partial, float *combined, float *top) {
   if (sum_mode) {
     for (int64_t t = 0; t < n; t++) combined[t] = scores[t];
     for (int64_t r = 1; r < R; r++)
       for (int64_t t = 0; t < n; t++) combined[t] += scores[r * n + t];
   } else {
     int64_t n_blocks = (n + BLOCK - 1) / BLOCK;
-    float top[MAX_ROWS] = {0}, inverse[MAX_ROWS];
+    float inverse[MAX_ROWS];
 #pragma omp parallel for schedule(static) if (n >= 4 * BLOCK)
     for (int64_t r = 0; r < R; r++) {
       const float *s = scores + r * n;
@@ -201,9 +205,9 @@ static void top_positions(const float *combined, int64_t n, int64_t k, uint32_t 
 /* scores (R, n), cand (n,) or NULL -> pos (k,): combine, then the top k. work: (R + 3) * n + R * n / BLOCK + R
    floats. */
 static void combined_top_of(const float *scores, int64_t n, int64_t R, const uint8_t *cand, int sum_mode,
-                            int64_t k, float *work, int64_t *pos) {
+                            int64_t k, float *work, int64_t *pos, float *top) {
   float *e = work, *combined = e + R * n, *partial = combined + 3 * n;
-  combine(scores, n, R, cand, sum_mode, e, partial, combined);
+  combine(scores, n, R, cand, sum_mode, e, partial, combined, top);
   top_positions(combined, n, k, (uint32_t *)(combined + n), (uint32_t *)(combined + 2 * n), pos);
 }
 
@@ -213,11 +217,12 @@ static size_t work_floats(int64_t n, int64_t R) { return (size_t)((R + 3) * n + 
    (or with more than MAX_ROWS rows). */
 int combine_top(const float *scores, int64_t n, int64_t R, const uint8_t *cand, int sum_mode, int64_t k,
                 int64_t *pos) {
-  float *rows = R <= MAX_ROWS ? workspace((size_t)(R * n) + work_floats(n, R)) : NULL;
+  float *rows = R <= MAX_ROWS ? workspace(RERANK, (size_t)(R * n) + work_floats(n, R)) : NULL;
+  float top[MAX_ROWS];
   if (rows == NULL) return -1;
   for (int64_t t = 0; t < n; t++)
     for (int64_t r = 0; r < R; r++) rows[r * n + t] = scores[t * R + r];
-  combined_top_of(rows, n, R, cand, sum_mode, k, rows + R * n, pos);
+  combined_top_of(rows, n, R, cand, sum_mode, k, rows + R * n, pos, top);
   return 0;
 }
 
@@ -252,12 +257,15 @@ static void combined_top_by_code(const float *tables, int64_t C, int64_t R, cons
   top_positions(combined, n, k, (uint32_t *)(combined + n), (uint32_t *)(combined + 2 * n), pos);
 }
 
-/* tables (m, C, R), codes: sub-space j's code of token t at codes[j * code_stride + t], cand (n,) or NULL -> pos
-   (k,): scores(t, r) = sum over j in order of tables[j, code, r], combined, then the top k. 0, or -1 without
-   memory (or with more than MAX_ROWS rows). */
-int pq_search(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
-              int64_t n, const uint8_t *cand, int sum_mode, int64_t k, int64_t *pos) {
-  float *scores = R <= MAX_ROWS ? workspace((size_t)(R * n) + work_floats(n, R)) : NULL;
+/* pq_search, and what it leaves in this thread's workspace until its next search (pq_step.c's completion reads it
+   after the re-rank): *scores (R, n) each token's PQ score per query row, and where the combine took the softmax
+   over every candidate's scores, *e (R, n) = exp(score - top[r]) over the candidates (0 elsewhere) and top (R,)
+   (*e NULL otherwise: the raw sum, or one sub-space combined per code, whose *scores is NULL too). */
+int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
+                   int64_t n, const uint8_t *cand, int sum_mode, int64_t k, int64_t *pos, const float **rows,
+                   const float **e, float *top) {
+  float *scores = R <= MAX_ROWS ? workspace(SEARCH, (size_t)(R * n) + work_floats(n, R)) : NULL;
+  *rows = *e = NULL;
   if (scores == NULL) return -1;
   if (m == 1 && C <= 256 && n >= 2 * C) { /* fewer codes than tokens: per code (shorter contexts: per token) */
     combined_top_by_code(tables, C, R, codes, n, cand, sum_mode, k, scores, pos);
@@ -282,6 +290,18 @@ int pq_search(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_
     }
     for (r = 0; r < R; r++) scores[r * n + t] = row[r];
   }
-  combined_top_of(scores, n, R, cand, sum_mode, k, scores + R * n, pos);
+  combined_top_of(scores, n, R, cand, sum_mode, k, scores + R * n, pos, top);
+  *rows = scores;
+  *e = sum_mode ? NULL : scores + R * n;
   return 0;
+}
+
+/* tables (m, C, R), codes: sub-space j's code of token t at codes[j * code_stride + t], cand (n,) or NULL -> pos
+   (k,): scores(t, r) = sum over j in order of tables[j, code, r], combined, then the top k. 0, or -1 without
+   memory (or with more than MAX_ROWS rows). */
+int pq_search(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
+              int64_t n, const uint8_t *cand, int sum_mode, int64_t k, int64_t *pos) {
+  const float *scores, *e;
+  float top[MAX_ROWS];
+  return pq_search_rows(tables, m, C, R, codes, code_stride, n, cand, sum_mode, k, pos, &scores, &e, top);
 }

@@ -20,11 +20,15 @@
 
 #include "exp_poly.h"  /* exp_nonpositive */
 #include "half_rows.h" /* kv_bytes, narrow_row */
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
 
 void pq_tables_codes(const float *q, int64_t R, const float *centroids, int64_t m, int64_t C, int64_t d, float *tables,
                      const float *key, const float *half_norm, uint8_t *codes, int64_t stride);
-int pq_search(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
-              int64_t n, const uint8_t *cand, int sum_mode, int64_t k, int64_t *pos);
+int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
+                   int64_t n, const uint8_t *cand, int sum_mode, int64_t k, int64_t *pos, const float **rows,
+                   const float **e, float *top);
 void gather_dot(const void *keys, int kind, int64_t stride, const int64_t *pos, int64_t n, const float *q, int64_t R,
                 int64_t D, float *out);
 int combine_top(const float *scores, int64_t n, int64_t R, const uint8_t *cand, int sum_mode, int64_t k,
@@ -99,6 +103,22 @@ static void file_token(const float *k, const float *v, int64_t Hk, int64_t D, co
   *T->slot_pos = t;
 }
 
+/* the filed token's value (its row in the host tier's own store, as stored) summed into its m cells of each head's
+   sums (Hk, m C, D), each cell's count (Hk, m C) one more: completion.ValueMeans.update's sums for one token, in
+   the same order. v: D floats of scratch. */
+static void sum_into_cells(int64_t Hk, int64_t D, const Index *X, int64_t t, const Token *T, float *sums,
+                           float *counts, float *v) {
+  int64_t m = X->m, P = m * X->C, own = kv_bytes((int)T->own_kind);
+  for (int64_t c = 0; c < Hk; c++) {
+    widen_row((const char *)T->own_v + c * T->own_head * own, (int)T->own_kind, v, D);
+    for (int64_t j = 0; j < m; j++) {
+      int64_t cell = c * P + j * X->C + X->codes[c * X->code_head + j * X->code_sub + t];
+      for (int64_t d = 0; d < D; d++) sums[cell * D + d] += v[d];
+      counts[cell] += 1.0f;
+    }
+  }
+}
+
 /* token t's approximate scores for the G query rows, plus offset (G,): its codes' table rows summed over the
    sub-spaces in order (tables (m, C, G): a code's G entries are adjacent) */
 static inline void approx_scores(const float *tables, const Index *X, const uint8_t *codes, int64_t t, int64_t G,
@@ -112,87 +132,154 @@ static inline void approx_scores(const float *tables, const Index *X, const uint
   for (int64_t g = 0; g < G; g++) s[g] += offset[g];
 }
 
-/* w (G,) into token t's m cells of cells (m C, G) */
+/* w (G,) into token t's m cells of cells (m C, G): four query rows at once where there are four (Gemma 3's and
+   Llama 3's heads; a loop over a G known only at run time adds one float at a time) */
 static inline void add_to_cells(float *cells, const Index *X, const uint8_t *codes, int64_t t, int64_t G,
                                 const float *w) {
   for (int64_t j = 0; j < X->m; j++) {
     float *cell = cells + (j * X->C + codes[j * X->code_sub + t]) * G;
-    for (int64_t g = 0; g < G; g++) cell[g] += w[g];
+    int64_t g = 0;
+#if defined(__SSE2__)
+    for (; g + 4 <= G; g += 4) _mm_storeu_ps(cell + g, _mm_add_ps(_mm_loadu_ps(cell + g), _mm_loadu_ps(w + g)));
+#endif
+    for (; g < G; g++) cell[g] += w[g];
   }
 }
 
-/* a log-sum-exp kept as its running maximum top and the sum of exp(x - top), x added (the sum rescaled when x is a
-   new maximum: one pass over the values) */
-static inline void running_lse(float x, float *top, double *sum) {
-  if (x > *top) {
-    *sum = *sum * exp_nonpositive(*top - x) + 1.0;
-    *top = x;
-  } else {
-    *sum += exp_nonpositive(x - *top);
-  }
+/* The calibration offset (engine/mass.py) over the re-rank's candidates, per query row: the log-sum-exp of their
+   exact scores (exact (wide, G)) less that of their PQ scores (approx (wide, G), overwritten). -> known (wide, G)
+   = exp(exact - emax) and emax (G,) their largest exact score, from which the ones left out are weighed. Each a
+   subtraction, then one loop of exponentials (vectorized). */
+static void calibrate(const float *exact, float *approx, int64_t wide, int64_t G, float *known, float *emax,
+                      float *offset) {
+  float amax[64];
+  double e_sum[64] = {0}, a_sum[64] = {0};
+  for (int64_t g = 0; g < G; g++) emax[g] = amax[g] = -INFINITY;
+  for (int64_t i = 0; i < wide; i++)
+    for (int64_t g = 0; g < G; g++) {
+      emax[g] = exact[i * G + g] > emax[g] ? exact[i * G + g] : emax[g];
+      amax[g] = approx[i * G + g] > amax[g] ? approx[i * G + g] : amax[g];
+    }
+  for (int64_t i = 0; i < wide; i++)
+    for (int64_t g = 0; g < G; g++) {
+      known[i * G + g] = exact[i * G + g] - emax[g];
+      approx[i * G + g] -= amax[g];
+    }
+  for (int64_t x = 0; x < wide * G; x++) known[x] = exp_nonpositive(known[x]);
+  for (int64_t x = 0; x < wide * G; x++) approx[x] = exp_nonpositive(approx[x]);
+  for (int64_t i = 0; i < wide; i++)
+    for (int64_t g = 0; g < G; g++) {
+      e_sum[g] += known[i * G + g];
+      a_sum[g] += approx[i * G + g];
+    }
+  for (int64_t g = 0; g < G; g++) offset[g] = (float)((emax[g] + log(e_sum[g])) - (amax[g] + log(a_sum[g])));
 }
 
 #define COMPLETE_SPLIT 4096 /* candidates from which the passes over them are split between the threads */
 #define COMPLETE_BLOCK 1024 /* scores (tokens x query rows) a thread holds at a time */
 
+/* What the search left for completion (pq_search_rows): each candidate's PQ score per query row (rows (G, n)), and
+   where its combine was the softmax over the candidates, their exponentials e (G, n) = exp(score - top[g]); NULL
+   where the search did not keep them, and the scores are computed again from the codes. */
+typedef struct {
+  const float *rows, *e, *top;
+} Searched;
+
+/* the candidates' weights exp(score + offset - best) (G per token) summed by cell into cells (m C, G) and over the
+   tokens into z (G,), tokens [t0, t1) that are candidates and not marked. From the search's exponentials where it
+   kept them (scale: exp(top + offset - best), so no exponential is taken here), else from the codes. */
+static void weigh_candidates(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand,
+                             const uint8_t *mark, int64_t n, int64_t t0, int64_t t1, int64_t G, const Searched *found,
+                             const float *offset, const float *best, const float *scale, float *cells, double *z) {
+  float sc[COMPLETE_BLOCK], w[64];
+  double sum[64] = {0}; /* z's share, added once: the threads' z share a cache line */
+  int64_t who[COMPLETE_BLOCK], count = 0;
+  if (found->e != NULL) {
+    for (int64_t t = t0; t < t1; t++)
+      if (cand[t] && !mark[t]) {
+        for (int64_t g = 0; g < G; g++) {
+          w[g] = found->e[g * n + t] * scale[g];
+          sum[g] += w[g];
+        }
+        add_to_cells(cells, X, codes, t, G, w);
+      }
+  } else {
+    for (int64_t t = t0; t < t1; t++)
+      if (cand[t] && !mark[t]) {
+        approx_scores(tables, X, codes, t, G, offset, sc + count * G);
+        for (int64_t g = 0; g < G; g++) sc[count * G + g] -= best[g];
+        who[count++] = t;
+      }
+    for (int64_t i = 0; i < count * G; i++) sc[i] = exp_nonpositive(sc[i]); /* vectorized */
+    for (int64_t c = 0; c < count; c++) {
+      for (int64_t g = 0; g < G; g++) sum[g] += sc[c * G + g];
+      add_to_cells(cells, X, codes, who[c], G, sc + c * G);
+    }
+  }
+  for (int64_t g = 0; g < G; g++) z[g] += sum[g];
+}
+
 /* Completion (engine/completion.py) for one KV head: the candidates that are not picks, their part of the softmax
    estimated and summed by cell. A candidate of the re-rank (top: wide positions, exact (wide, G) their exact scores)
    scores exactly, another its PQ score shifted by the calibration offset (engine/mass.py: the exact scores'
    log-sum-exp over the re-rank's candidates less their PQ scores'); its value is the mean over the sub-spaces of its
-   cells' mean values (means (m C, D)). picked: the k of top taken (idx). -> lse (G,) the part's log-sum-exp (-inf
+   cells' mean values (sums (m C, D) each cell's values summed, counts (m C,) how many: a mean is sums over at
+   least 1). picked: the k of top taken (idx). -> lse (G,) the part's log-sum-exp (-inf
    where no token is left out) and out (G, D) its output, normalised over the part. mark: n bytes of scratch. The same
    arithmetic as completion.unselected_part, summed in another order (and split between the threads from
    COMPLETE_SPLIT candidates on: each its own cells, added in thread order). 0, or -1 without scratch memory. */
 static int unselected_part(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand, int64_t n,
-                           const int64_t *top, const float *exact, int64_t wide, const int64_t *idx, int64_t k,
-                           int64_t G, const float *means, int64_t D, uint8_t *mark, float *lse, float *out) {
+                           const Searched *found, const int64_t *top, const float *exact, int64_t wide,
+                           const int64_t *idx, int64_t k, int64_t G, const float *sums, const float *counts,
+                           int64_t D, uint8_t *mark, float *lse, float *out) {
   int64_t m = X->m, P = m * X->C;
   int threads = n >= COMPLETE_SPLIT ? omp_get_max_threads() : 1;
   float *cells = calloc((size_t)threads * P * G, sizeof(float)); /* each thread's (m C, G) sums */
   double *z = calloc((size_t)threads * G, sizeof(double));
-  if (cells == NULL || z == NULL) {
+  float *approx = malloc(sizeof(float) * (wide + 1) * G), *known = malloc(sizeof(float) * (wide + 1) * G);
+  if (cells == NULL || z == NULL || approx == NULL || known == NULL) {
     free(cells);
     free(z);
+    free(approx);
+    free(known);
     return -1;
   }
   memset(mark, 0, n);
   for (int64_t i = 0; i < wide; i++) mark[top[i]] = 1; /* known: scored exactly */
   for (int64_t i = 0; i < k; i++) mark[top[idx[i]]] = 2; /* picked: attended, not estimated */
-  float offset[64] = {0}, zero[64] = {0}, best[64], s[64];
-  if (wide > 0) { /* the calibration offset over the re-rank's candidates, each read once */
-    float e_top[64], a_top[64];
-    double e_sum[64] = {0}, a_sum[64] = {0};
-    for (int64_t g = 0; g < G; g++) e_top[g] = a_top[g] = -INFINITY;
-    for (int64_t i = 0; i < wide; i++) {
-      approx_scores(tables, X, codes, top[i], G, zero, s);
-      for (int64_t g = 0; g < G; g++) {
-        running_lse(exact[i * G + g], e_top + g, e_sum + g);
-        running_lse(s[g], a_top + g, a_sum + g);
-      }
-    }
-    for (int64_t g = 0; g < G; g++) offset[g] = (float)((e_top[g] + log(e_sum[g])) - (a_top[g] + log(a_sum[g])));
-  }
-  /* the softmax's shift: no approximate score passes the sum over the sub-spaces of their largest table entry, so
-     one pass over the candidates suffices (a score far below it only loses exponent range, not precision) */
+  float offset[64] = {0}, zero[64] = {0}, emax[64], best[64], scale[64], w[64];
+  for (int64_t i = 0; i < wide; i++) /* the re-rank's candidates' PQ scores, then the offset */
+    if (found->rows != NULL)
+      for (int64_t g = 0; g < G; g++) approx[i * G + g] = found->rows[g * n + top[i]];
+    else
+      approx_scores(tables, X, codes, top[i], G, zero, approx + i * G);
+  if (wide > 0) calibrate(exact, approx, wide, G, known, emax, offset);
+  /* the softmax's shift: with the search's exponentials, the largest calibrated score; else an upper bound of every
+     approximate score, the sum over the sub-spaces of their largest table entry, so one pass over the candidates
+     suffices (a score far below it only loses exponent range, not precision); at least the largest exact score */
   for (int64_t g = 0; g < G; g++) {
     best[g] = offset[g];
-    for (int64_t j = 0; j < m; j++) {
-      float top_entry = -INFINITY;
-      for (int64_t c = 0; c < X->C; c++) {
-        float e = tables[(j * X->C + c) * G + g];
-        top_entry = e > top_entry ? e : top_entry;
+    if (found->e != NULL) {
+      best[g] += found->top[g];
+    } else {
+      for (int64_t j = 0; j < m; j++) {
+        float top_entry = -INFINITY;
+        for (int64_t c = 0; c < X->C; c++) {
+          float e = tables[(j * X->C + c) * G + g];
+          top_entry = e > top_entry ? e : top_entry;
+        }
+        best[g] += top_entry;
       }
-      best[g] += top_entry;
     }
+    if (wide > 0) best[g] = emax[g] > best[g] ? emax[g] : best[g];
   }
-  for (int64_t i = 0; i < wide; i++) /* the known ones left out */
-    if (mark[top[i]] == 1)
-      for (int64_t g = 0; g < G; g++) best[g] = exact[i * G + g] > best[g] ? exact[i * G + g] : best[g];
-  float w[64];
-  for (int64_t i = 0; i < wide; i++) /* the known ones into the first thread's cells */
+  for (int64_t g = 0; g < G; g++) /* 0 where no candidate is left: the search's top is -inf */
+    scale[g] = found->e == NULL ? 1.0f : found->top[g] > -INFINITY ? expf(found->top[g] + offset[g] - best[g]) : 0.0f;
+  for (int64_t g = 0; g < G && wide > 0; g++) emax[g] = expf(emax[g] - best[g]); /* the known ones' factor */
+  for (int64_t i = 0; i < wide; i++) /* the known ones left out, into the first thread's cells */
     if (mark[top[i]] == 1) {
       for (int64_t g = 0; g < G; g++) {
-        w[g] = exp_nonpositive(exact[i * G + g] - best[g]);
+        w[g] = known[i * G + g] * emax[g];
         z[g] += w[g];
       }
       add_to_cells(cells, X, codes, top[i], G, w);
@@ -201,46 +288,33 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
 #pragma omp parallel num_threads(threads)
   {
     int th = omp_get_thread_num();
-    float *mine = cells + (int64_t)th * P * G, sc[COMPLETE_BLOCK];
-    int64_t who[COMPLETE_BLOCK];
-    double *zt = z + th * G;
 #pragma omp for schedule(static)
-    for (int64_t t0 = 0; t0 < n; t0 += per_block) {
-      int64_t count = 0, t1 = t0 + per_block < n ? t0 + per_block : n;
-      for (int64_t t = t0; t < t1; t++)
-        if (cand[t] && !mark[t]) {
-          approx_scores(tables, X, codes, t, G, offset, sc + count * G);
-          for (int64_t g = 0; g < G; g++) sc[count * G + g] -= best[g];
-          who[count++] = t;
-        }
-      for (int64_t i = 0; i < count * G; i++) sc[i] = exp_nonpositive(sc[i]); /* vectorized */
-      for (int64_t c = 0; c < count; c++) {
-        for (int64_t g = 0; g < G; g++) zt[g] += sc[c * G + g];
-        add_to_cells(mine, X, codes, who[c], G, sc + c * G);
-      }
-    }
+    for (int64_t t0 = 0; t0 < n; t0 += per_block)
+      weigh_candidates(tables, X, codes, cand, mark, n, t0, t0 + per_block < n ? t0 + per_block : n, G, found,
+                       offset, best, scale, cells + (int64_t)th * P * G, z + th * G);
   }
   for (int th = 1; th < threads; th++) { /* the threads' sums, in thread order */
     for (int64_t i = 0; i < P * G; i++) cells[i] += cells[(int64_t)th * P * G + i];
     for (int64_t g = 0; g < G; g++) z[g] += z[th * G + g];
   }
+  float inverse[64]; /* each cell's weight a row, over the part's sum and the m sub-spaces' mean */
   for (int64_t g = 0; g < G; g++) {
-    float *o = out + g * D;
-    memset(o, 0, sizeof(float) * D);
-    if (z[g] == 0.0) {
-      lse[g] = -INFINITY;
-      continue;
-    }
-    lse[g] = best[g] + (float)log(z[g]);
-    float scale = (float)(1.0 / (z[g] * m));
-    for (int64_t c = 0; c < P; c++) {
-      float wc = cells[c * G + g] * scale;
+    lse[g] = z[g] == 0.0 ? -INFINITY : best[g] + (float)log(z[g]);
+    inverse[g] = z[g] == 0.0 ? 0.0f : (float)(1.0 / (z[g] * m));
+  }
+  memset(out, 0, sizeof(float) * G * D);
+  for (int64_t c = 0; c < P; c++) { /* each cell's values read once for the G rows */
+    float per_token = 1.0f / (counts[c] > 1.0f ? counts[c] : 1.0f);
+    for (int64_t g = 0; g < G; g++) {
+      float wc = cells[c * G + g] * inverse[g] * per_token, *o = out + g * D;
       if (wc != 0.0f)
-        for (int64_t d = 0; d < D; d++) o[d] += wc * means[c * D + d];
+        for (int64_t d = 0; d < D; d++) o[d] += wc * sums[c * D + d];
     }
   }
   free(cells);
   free(z);
+  free(approx);
+  free(known);
   return 0;
 }
 
@@ -249,14 +323,16 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
    token, whose k_new, v_new (Hk, D) float32 this call writes into the last slot) -> pos (Hk, k) the picks in
    position order and out (Hq D,) the attention's output. Where T is not NULL, the new token, at position t, is also
    filed as pq_append files it: its codes from the tables' pass, its ring slot written after the attention has read
-   the token it replaces. Where means is not NULL (Hk, m C, D: each cell's mean value), the candidates left out are
-   estimated and merged in by log-sum-exp (completion: unselected_part). 0, or -1 without scratch memory (or with
-   more than 64 query rows a KV head under completion). */
+   the token it replaces. Where sums is not NULL (Hk, m C, D: each PQ cell's values summed, counts (Hk, m C) how
+   many: completion.ValueMeans), the candidates left out are estimated and merged in by log-sum-exp (completion:
+   unselected_part), and a token filed here has its value summed into its cells. 0, or -1 without scratch memory
+   (or with more than 64 query rows a KV head under completion). */
 int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, const Index *X, const uint8_t *cand,
             int64_t n, int sum_mode, int64_t wide, int64_t k, const Stores *S, void *wk, void *wv, int64_t w_kind,
             int64_t head_stride, int64_t n_slots, int64_t *pos, float *out, const float *k_new, const float *v_new,
-            const float *half_norm, int64_t t, const Token *T, const float *means) {
+            const float *half_norm, int64_t t, const Token *T, float *sums, float *counts) {
   int64_t G = Hq / Hk, m = X->m, C = X->C, d = D / X->m;
+  float searched_top[16]; /* pq_select.c's MAX_ROWS: it refuses more rows */
   float *qs = malloc(sizeof(float) * Hq * D), *tables = malloc(sizeof(float) * m * C * G);
   float *exact = malloc(sizeof(float) * wide * G), *scores = malloc(sizeof(float) * Hk * k * G);
   int64_t *top = malloc(sizeof(int64_t) * wide), *local = malloc(sizeof(int64_t) * wide),
@@ -265,12 +341,12 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
   /* completion's: the part left out, per query row (its log-sum-exp and output), the selection's log-sum-exp */
   float *part_lse = NULL, *part_out = NULL, *sel_lse = NULL;
   uint8_t *mark = NULL;
-  if (means) {
+  if (sums) {
     part_lse = malloc(sizeof(float) * Hq), part_out = malloc(sizeof(float) * Hq * D);
     sel_lse = malloc(sizeof(float) * Hq), mark = malloc(n);
   }
   int failed = !qs || !tables || !exact || !scores || !top || !local || !idx || !valid;
-  failed = failed || (means && (!part_lse || !part_out || !sel_lse || !mark || G > 64));
+  failed = failed || (sums && (!part_lse || !part_out || !sel_lse || !mark || G > 64));
   for (int64_t i = 0; !failed && i < Hq * D; i++) qs[i] = q[i] * scaling; /* methods' q * scaling, in float32 */
   for (int64_t c = 0; !failed && c < Hk; c++) { /* the new token's slot, rounded as torch's copy rounds it */
     int64_t slot = (c * head_stride + (n_slots - 1) * D) * kv_bytes((int)w_kind);
@@ -282,7 +358,10 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     const float *key = T ? k_new + c * D : NULL, *norms = half_norm ? half_norm + c * m * C : NULL;
     pq_tables_codes(qc, G, X->centroids + c * m * C * d, m, C, d, tables, key, norms, X->codes + c * X->code_head + t,
                     X->code_sub); /* t >= n: the search does not read the new codes */
-    failed = pq_search(tables, m, C, G, X->codes + c * X->code_head, X->code_sub, n, cand, sum_mode, wide, top);
+    Searched found;
+    failed = pq_search_rows(tables, m, C, G, X->codes + c * X->code_head, X->code_sub, n, cand, sum_mode, wide, top,
+                            &found.rows, &found.e, searched_top);
+    found.top = searched_top;
     if (failed) break;
     head_scores(S, c, top, wide, qc, G, D, local, exact);
     failed = combine_top(exact, wide, G, NULL, sum_mode, k, idx);
@@ -291,15 +370,16 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
       for (int64_t g = 0; g < G; g++) scores[(c * k + i) * G + g] = exact[idx[i] * G + g];
       valid[c * k + i] = 1;
     }
-    if (!failed && means)
-      failed = unselected_part(tables, X, X->codes + c * X->code_head, cand, n, top, exact, wide, idx, k, G,
-                               means + c * m * C * D, D, mark, part_lse + c * G, part_out + c * G * D);
+    if (!failed && sums)
+      failed = unselected_part(tables, X, X->codes + c * X->code_head, cand, n, &found, top, exact, wide, idx, k, G,
+                               sums + c * m * C * D, counts + c * m * C, D, mark, part_lse + c * G,
+                               part_out + c * G * D);
   }
   if (!failed)
     failed = attend_picks_lse(q, Hq, wk, wv, w_kind, Hk, head_stride, n_slots, D, scaling, k, scores, valid, pos,
                               S->S0 ? S->shared_v : NULL, S->shared_head, S->S0, S->own_v, S->own_head, S->kind, out,
                               NULL, sel_lse);
-  for (int64_t h = 0; !failed && means && h < Hq; h++) { /* completion.merge: two parts of one softmax */
+  for (int64_t h = 0; !failed && sums && h < Hq; h++) { /* completion.merge: two parts of one softmax */
     if (part_lse[h] == -INFINITY) continue;
     float top_lse = sel_lse[h] > part_lse[h] ? sel_lse[h] : part_lse[h];
     double a = exp((double)sel_lse[h] - top_lse), b = exp((double)part_lse[h] - top_lse);
@@ -307,6 +387,7 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     for (int64_t e = 0; e < D; e++) out[h * D + e] = wa * out[h * D + e] + wb * part_out[h * D + e];
   }
   if (!failed && T) file_token(k_new, v_new, Hk, D, X, t, T);
+  if (!failed && T && sums) sum_into_cells(Hk, D, X, t, T, sums, counts, part_out);
   free(qs);
   free(tables);
   free(exact);

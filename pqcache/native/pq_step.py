@@ -43,7 +43,7 @@ def pq_step(
     stores: tuple,
     window: tuple,
     token=None,
-    means=None,
+    cells=None,
 ):
     """A PQ layer's selection and attention for one token in one C call: pq_top's search for `wide` candidates, the
     re-rank's exact scores and combined_top's k picks (counts = (k, wide)), then attend_picks, with the same kernels
@@ -55,8 +55,9 @@ def pq_step(
     native.KV_KINDS (shared None when not a fork, own None when the tier has none yet). window: (keys, values, n,
     k_new, v_new): the window's buffer (Hk, N, D) of one kind, its first n slots attended, the last of them the new
     token's, written here from k_new, v_new (Hk, D) float32 -> the picks' positions (Hk, k) in position order and
-    the output (1, Hq * D). means (Hk, m C, D) float32, each PQ cell's mean value (engine/completion.py), or None:
-    with them the candidates not picked are estimated and merged into the output (completion)."""
+    the output (1, Hq * D). cells: (sums (Hk, m C, D), counts (Hk, m C)) float32 and contiguous, each PQ cell's
+    values summed and how many (engine/completion.ValueMeans), or None: with them the candidates not picked are
+    estimated and merged into the output (completion), and a token filed here is summed into its cells in place."""
     k, wide = counts
     shared_k, shared_v, S0, own_k, own_v = stores
     keys, values, n_slots, k_new, v_new = window
@@ -72,11 +73,16 @@ def pq_step(
     stored = S0 + (0 if own_k is None else own_k.shape[1])
     if not 0 < k < wide <= cand.shape[0] <= min(codes.shape[-1], stored) or q.dtype != torch.float32:
         raise ValueError(f"pq_step: k {k}, wide {wide}, {cand.shape[0]} tokens, q {q.dtype}")
-    if means is not None:
-        _, m, C, _ = index[0].shape
-        if means.shape != (Hk, m * C, D) or means.dtype != torch.float32 or Hq // Hk > 64:
-            raise ValueError(f"pq_step: means {means.dtype} {tuple(means.shape)}, not ({Hk}, {m * C}, {D}) float32")
-        means = means.contiguous()
+    sums, counts = (None, None) if cells is None else cells
+    if cells is not None:
+        P = index[0].shape[1] * index[0].shape[2]  # m C
+        alike = sums.shape == (Hk, P, D) and counts.shape == (Hk, P) and Hq // Hk <= 64
+        if (
+            not alike
+            or {sums.dtype, counts.dtype} != {torch.float32}
+            or not (sums.is_contiguous() and counts.is_contiguous())
+        ):
+            raise ValueError(f"pq_step: cells {tuple(sums.shape)}, {tuple(counts.shape)}: not ({Hk}, {P}, {D}) float32")
     X, keep = _index(index, D)
     q, cand, new = q.contiguous(), cand.contiguous(), _rows(k_new, v_new, Hk, D)
 
@@ -93,7 +99,7 @@ def pq_step(
     args = (q.data_ptr(), Hq, Hk, D, scaling, ctypes.byref(X), cand.data_ptr(), cand.shape[0], MODES[mode], wide, k)
     args += (ctypes.byref(S), keys.data_ptr(), values.data_ptr(), native.KV_KINDS[keys.dtype], keys.stride(0), n_slots)
     args += (pos.data_ptr(), out.data_ptr(), new[0].data_ptr(), new[1].data_ptr(), address(norms), t)
-    if native.library().pq_step(*args, None if T is None else ctypes.byref(T), address(means)):
+    if native.library().pq_step(*args, None if T is None else ctypes.byref(T), address(sums), address(counts)):
         raise MemoryError("pq_step: no scratch memory")
     del keep  # the centroids the C call read (a copy where they were not contiguous)
     return pos, out

@@ -31,7 +31,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.pq_encode.argtypes = [pointer, pointer, pointer, size, size, size, pointer, size]
     lib.pq_step.restype = ctypes.c_int
     lib.pq_step.argtypes = [pointer] + [size] * 3 + [ctypes.c_float, pointer, pointer, size, ctypes.c_int, size, size]
-    lib.pq_step.argtypes += [pointer] * 3 + [size] * 3 + [pointer] * 5 + [size, pointer, pointer]
+    lib.pq_step.argtypes += [pointer] * 3 + [size] * 3 + [pointer] * 5 + [size, pointer, pointer, pointer]
     lib.pq_append.restype = None
     lib.pq_append.argtypes = [pointer] * 2 + [size] * 2 + [pointer] * 2 + [size, pointer]
     lib.layer_window_step.restype = ctypes.c_int

@@ -290,16 +290,25 @@ def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch,
     torch.testing.assert_close(scores.nan_to_num(0, 0, 0), ref_scores.nan_to_num(0, 0, 0), rtol=1e-4, atol=1e-4)
 
 
-def test_completion_over_thousands_of_candidates_is_split_between_threads_and_stays_the_same():
+@pytest.mark.parametrize(
+    "m, combine",
+    [(1, "softmax_sum"), (2, "softmax_sum"), (2, "sum")],
+    ids=["one sub-space, per code", "two sub-spaces, the search's exponentials", "two sub-spaces, raw sum"],
+)
+def test_completion_over_thousands_of_candidates_is_split_between_threads_and_stays_the_same(m, combine):
     """From 4,096 candidates on the fused call's passes over them are split between the threads (each its own
     cells, added in order): on 6,000 random keys with one KV head and four query rows (Gemma 3's shape), eight decode
-    steps give the general step's outputs within float rounding, with one thread and with two."""
+    steps give the general step's outputs within float rounding, with one thread and with two. Each way the weights
+    are found: from the codes (one sub-space, searched per code; the raw-sum combine) and from the exponentials the
+    search's softmax combine already took."""
     from pqcache.engine.layer.standalone import InlineExecutor, filled_layer
     from pqcache.engine.methods.pqcache import PQCacheMethod
 
     g = torch.Generator().manual_seed(5)
     keys, values = torch.randn(1, 1, 6000, 64, generator=g), torch.randn(1, 1, 6000, 64, generator=g)
-    config = PQCacheConfig(token_budget=0.05, rerank_min_tokens=0, completion=True, n_init=4, bits=6).for_head_dim(64)
+    config = PQCacheConfig(
+        token_budget=0.05, rerank_min_tokens=0, completion=True, n_init=4, bits=6, m=m, gqa_combine=combine
+    )
     parent = filled_layer(keys, values, replace(config, completion=False), iters=5)
     steps = [(torch.randn(1, 4, 1, 64, generator=g), torch.randn(1, 1, 1, 64, generator=g)) for _ in range(8)]
 

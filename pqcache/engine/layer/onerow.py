@@ -199,10 +199,13 @@ def _fused(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> t
     new = (k_new[0, :, 0], v_new[0, :, 0])
     slots = (window.k[0], window.v[0], lo + 1, *new)
     args = (query.reshape(Hq, D), scaling, _index(index), cand, counts, layer.config.gqa_combine, stores, slots)
-    means = None
-    if layer.config.completion:  # each PQ cell's mean value, the candidates left out estimated in the same call
-        means = completion.value_means(layer.method_state, index, host).means()[0]  # (H, m C, D)
-    top, out = native_step.pq_step(*args, token, means)
+    value_means = cells = None
+    if layer.config.completion:  # each PQ cell's values summed: the candidates left out estimated in the same call
+        value_means = completion.value_means(layer.method_state, index, host)
+        cells = (value_means.sums[0], value_means.counts[0])  # (H, m C, D), (H, m C)
+    top, out = native_step.pq_step(*args, token, cells)
+    if value_means is not None and not alone:  # the call summed the token it filed into its cells
+        value_means.done += 1
     top = top[None]  # (1, H, k): every pick valid (a candidate, in the re-rank's k)
     top_valid = torch.ones_like(top, dtype=torch.bool)
     moved = window.counted(0, top.numel(), top.numel(), False, 0)  # no block cache: every pick read in the host tier
