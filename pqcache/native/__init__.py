@@ -20,7 +20,7 @@ memory's speed on the table.
     pq_codes.c     a decode step's PQ lookup tables and the new key's codes, instead of a batched matmul and
                    the reshapes around it (native/select.py).
     pq_step.c      a PQ layer's whole selection and attention for one token in one call, the kernels above in turn
-                   (native/select.py's pq_step, layer/onerow.py), without the Python between them.
+                   (native/pq_step.py, layer/fused.py), without the Python between them.
 
 `python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
 together once per machine with the system's C compiler (`cc`, or $CC; 0.6 s here) into $PQCACHE_KERNEL_DIR

@@ -1,4 +1,4 @@
-/* A PQ layer's selection and attention for one token in one call (layer/onerow.py's fused step): the lookup
+/* A PQ layer's selection and attention for one token in one call (layer/fused.py, for layer/onerow.py): the lookup
    tables, the PQ search, the re-rank's exact scores, its combine and top-k, then the attention over the window and
    the picks. Each stage is the kernel the one-row step calls one by one (pq_codes.c, pq_select.c, gather_dot.c,
    layer_step.c), on the same numbers in the same order, so the picks and the output are the same to the bit; what
@@ -6,7 +6,7 @@
    layer on a 2-core CPU, docs/benchmarks.md).
 
    The case it serves is the common one: picks from the re-rank (wide > k), every one a candidate (wide <= the
-   candidates), no block cache and no recorded weights; onerow.py checks that before calling.
+   candidates), no block cache and no recorded weights; layer/fused.py checks that before calling.
 
    It also files the new token (onerow.py's _append): its rows in the host tier and the window's ring, its flags and
    its codes, computed in the tables' pass over the codebook. In Python and torch that took about 0.13 ms a layer, in

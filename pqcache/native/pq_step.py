@@ -1,5 +1,5 @@
 """A PQ layer's decode step for one token in one C call (pq_step.c): the selection and attention, then the new token
-filed; and the filing alone (pq_append). Tensors in, tensors out; layer/onerow.py decides when to use them."""
+filed; and the filing alone (pq_append). Tensors in, tensors out; layer/fused.py decides when to use them."""
 
 from __future__ import annotations
 

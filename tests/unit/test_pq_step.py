@@ -10,7 +10,7 @@ import torch
 
 from pqcache import PQCache, PQCacheConfig
 from pqcache.engine.kernels import Kernels
-from pqcache.engine.layer import onerow
+from pqcache.engine.layer import fused as fused_step
 from tests.tiny import fork_answer, greedy_generate, tiny_model
 from tests.unit.test_onerow import CONFIGS, SMALL, _same_layers
 
@@ -22,13 +22,13 @@ def _fused(cfg: PQCacheConfig, fused: bool) -> PQCacheConfig:
 
 def _counted(monkeypatch) -> list:
     """The list each fused step appends to."""
-    taken, real = [], onerow._fused
+    taken, real = [], fused_step.step
 
     def counted(*args, **kwargs):
         taken.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(onerow, "_fused", counted)
+    monkeypatch.setattr(fused_step, "step", counted)
     return taken
 
 
