@@ -60,6 +60,11 @@ class ValueMeans:
             self.counts.scatter_add_(2, cells[:, :, j], real.expand_as(cells[:, :, j]))
         self.done = S
 
+    def summed_elsewhere(self, n: int) -> None:
+        """The next n positions were summed into sums and counts by another implementation of update (the fused C
+        step sums the token it files: native/pq_step.c's sum_into_cells)."""
+        self.done += n
+
     def means(self) -> torch.Tensor:
         """(B, H, P, D): each cell's mean value (0 for a cell no token fell in)."""
         return self.sums / self.counts.clamp(min=1)[..., None]

@@ -73,7 +73,7 @@ def step(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> tup
         cells = (value_means.sums[0], value_means.counts[0])  # (H, m C, D), (H, m C)
     top, out = native_step.pq_step(*args, token, cells)
     if value_means is not None and not alone:  # the call summed the token it filed into its cells
-        value_means.done += 1
+        value_means.summed_elsewhere(1)
     top = top[None]  # (1, H, k): every pick valid (a candidate, in the re-rank's k)
     top_valid = torch.ones_like(top, dtype=torch.bool)
     moved = window.counted(0, top.numel(), top.numel(), False, 0)  # no block cache: every pick read in the host tier
