@@ -75,6 +75,7 @@ ANSWER_SETTINGS = (
     "m",
     "bits",
     "rerank",
+    "search_margin",
     "mass",
     "completion",
     "token_budget",
@@ -84,7 +85,18 @@ ANSWER_SETTINGS = (
     "block_cache_tokens",
     "cache_policy",
 )
-EVAL_SETTINGS = ("token_budget", "m", "bits", "n_init", "n_local", "rerank", "mass", "completion", "chunk_attention")
+EVAL_SETTINGS = (
+    "token_budget",
+    "m",
+    "bits",
+    "n_init",
+    "n_local",
+    "rerank",
+    "search_margin",
+    "mass",
+    "completion",
+    "chunk_attention",
+)
 
 
 def add_answer_flags(g: argparse.ArgumentParser):

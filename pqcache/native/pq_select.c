@@ -260,17 +260,21 @@ static void combined_top_by_code(const float *tables, int64_t C, int64_t R, cons
 /* pq_search, and what it leaves in this thread's workspace until its next search (pq_step.c's completion reads it
    after the re-rank): *scores (R, n) each token's PQ score per query row, and where the combine took the softmax
    over every candidate's scores, *e (R, n) = exp(score - top[r]) over the candidates (0 elsewhere) and top (R,)
-   (*e NULL otherwise: the raw sum, or one sub-space combined per code, whose *scores is NULL too). */
+   (*e NULL otherwise: the raw sum, one sub-space combined per code, whose *scores is NULL too, or a margin).
+   row_scale (R,) and residuals (n,), where not NULL: the combine and top-k rank score + row_scale[r] x residuals[t]
+   (methods/pqcache.spreads), *scores keeps the PQ scores alone. */
 int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
-                   int64_t n, const uint8_t *cand, int sum_mode, int64_t k, int64_t *pos, const float **rows,
-                   const float **e, float *top) {
-  float *scores = R <= MAX_ROWS ? workspace(SEARCH, (size_t)(R * n) + work_floats(n, R)) : NULL;
+                   int64_t n, const uint8_t *cand, int sum_mode, int64_t k, const float *row_scale,
+                   const float *residuals, int64_t *pos, const float **rows, const float **e, float *top) {
+  int64_t ranked_floats = residuals != NULL ? R * n : 0;
+  float *scores = R <= MAX_ROWS ? workspace(SEARCH, (size_t)(R * n + ranked_floats) + work_floats(n, R)) : NULL;
   *rows = *e = NULL;
   if (scores == NULL) return -1;
-  if (m == 1 && C <= 256 && n >= 2 * C) { /* fewer codes than tokens: per code (shorter contexts: per token) */
+  if (m == 1 && C <= 256 && n >= 2 * C && residuals == NULL) { /* fewer codes than tokens: per code */
     combined_top_by_code(tables, C, R, codes, n, cand, sum_mode, k, scores, pos);
     return 0;
   }
+  float *ranked = residuals != NULL ? scores + R * n : scores;
 #pragma omp parallel for schedule(static) if (n >= 4 * BLOCK)
   for (int64_t t = 0; t < n; t++) {
     float row[MAX_ROWS];
@@ -289,19 +293,24 @@ int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const u
       row[r] = sum;
     }
     for (r = 0; r < R; r++) scores[r * n + t] = row[r];
+    if (residuals != NULL)
+      for (r = 0; r < R; r++) ranked[r * n + t] = row[r] + row_scale[r] * residuals[t];
   }
-  combined_top_of(scores, n, R, cand, sum_mode, k, scores + R * n, pos, top);
+  float *work = scores + R * n + ranked_floats;
+  combined_top_of(ranked, n, R, cand, sum_mode, k, work, pos, top);
   *rows = scores;
-  *e = sum_mode ? NULL : scores + R * n;
+  *e = sum_mode || residuals != NULL ? NULL : work;
   return 0;
 }
 
 /* tables (m, C, R), codes: sub-space j's code of token t at codes[j * code_stride + t], cand (n,) or NULL -> pos
-   (k,): scores(t, r) = sum over j in order of tables[j, code, r], combined, then the top k. 0, or -1 without
-   memory (or with more than MAX_ROWS rows). */
+   (k,): scores(t, r) = sum over j in order of tables[j, code, r] (+ row_scale[r] x residuals[t] where they are not
+   NULL), combined, then the top k. 0, or -1 without memory (or with more than MAX_ROWS rows). */
 int pq_search(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
-              int64_t n, const uint8_t *cand, int sum_mode, int64_t k, int64_t *pos) {
+              int64_t n, const uint8_t *cand, int sum_mode, int64_t k, const float *row_scale, const float *residuals,
+              int64_t *pos) {
   const float *scores, *e;
   float top[MAX_ROWS];
-  return pq_search_rows(tables, m, C, R, codes, code_stride, n, cand, sum_mode, k, pos, &scores, &e, top);
+  return pq_search_rows(tables, m, C, R, codes, code_stride, n, cand, sum_mode, k, row_scale, residuals, pos, &scores,
+                        &e, top);
 }

@@ -27,7 +27,8 @@
 void pq_tables_codes(const float *q, int64_t R, const float *centroids, int64_t m, int64_t C, int64_t d, float *tables,
                      const float *key, const float *half_norm, uint8_t *codes, int64_t stride);
 int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
-                   int64_t n, const uint8_t *cand, int sum_mode, int64_t k, int64_t *pos, const float **rows,
+                   int64_t n, const uint8_t *cand, int sum_mode, int64_t k, const float *row_scale,
+                   const float *residuals, int64_t *pos, const float **rows,
                    const float **e, float *top);
 void gather_dot(const void *keys, int kind, int64_t stride, const int64_t *pos, int64_t n, const float *q, int64_t R,
                 int64_t D, float *out);
@@ -47,11 +48,13 @@ typedef struct {
 } Stores;
 
 /* The PQ index of one layer: centroids (Hk, m, C, d) float32; codes: head c's sub-space j's code of token t at
-   codes[c * code_head + j * code_sub + t]. */
+   codes[c * code_head + j * code_sub + t]; residuals: head c's token t's quantization error at
+   residuals[c * residual_head + t] (float32). */
 typedef struct {
   const float *centroids;
   uint8_t *codes;
-  int64_t m, C, code_head, code_sub;
+  const float *residuals;
+  int64_t m, C, code_head, code_sub, residual_head;
 } Index;
 
 /* Where a decode step's new token goes: its key and value rows in the host tier's own store and in the window's ring
@@ -187,7 +190,8 @@ typedef struct {
 
 /* the candidates' weights exp(score + offset - best) (G per token) summed by cell into cells (m C, G) and over the
    tokens into z (G,), tokens [t0, t1) that are candidates and not marked. From the search's exponentials where it
-   kept them (scale: exp(top + offset - best), so no exponential is taken here), else from the codes. */
+   kept them (scale: exp(top + offset - best), so no exponential is taken here), else from its scores where it kept
+   them, else from the codes. */
 static void weigh_candidates(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand,
                              const uint8_t *mark, int64_t n, int64_t t0, int64_t t1, int64_t G, const Searched *found,
                              const float *offset, const float *best, const float *scale, float *cells, double *z) {
@@ -206,8 +210,12 @@ static void weigh_candidates(const float *tables, const Index *X, const uint8_t 
   } else {
     for (int64_t t = t0; t < t1; t++)
       if (cand[t] && !mark[t]) {
-        approx_scores(tables, X, codes, t, G, offset, sc + count * G);
-        for (int64_t g = 0; g < G; g++) sc[count * G + g] -= best[g];
+        if (found->rows != NULL)
+          for (int64_t g = 0; g < G; g++) sc[count * G + g] = found->rows[g * n + t] + offset[g] - best[g];
+        else {
+          approx_scores(tables, X, codes, t, G, offset, sc + count * G);
+          for (int64_t g = 0; g < G; g++) sc[count * G + g] -= best[g];
+        }
         who[count++] = t;
       }
     for (int64_t i = 0; i < count * G; i++) sc[i] = exp_nonpositive(sc[i]); /* vectorized */
@@ -325,10 +333,12 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
    filed as pq_append files it: its codes from the tables' pass, its ring slot written after the attention has read
    the token it replaces. Where sums is not NULL (Hk, m C, D: each PQ cell's values summed, counts (Hk, m C) how
    many: completion.ValueMeans), the candidates left out are estimated and merged in by log-sum-exp (completion:
-   unselected_part), and a token filed here has its value summed into its cells. 0, or -1 without scratch memory
-   (or with more than 64 query rows a KV head under completion). */
+   unselected_part), and a token filed here has its value summed into its cells. row_scale (Hq,), where not NULL:
+   the search ranks by the PQ score + row_scale x the token's residual (pq_search_rows). 0, or -1 without scratch
+   memory (or with more than 64 query rows a KV head under completion). */
 int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, const Index *X, const uint8_t *cand,
-            int64_t n, int sum_mode, int64_t wide, int64_t k, const Stores *S, void *wk, void *wv, int64_t w_kind,
+            int64_t n, int sum_mode, int64_t wide, int64_t k, const float *row_scale, const Stores *S, void *wk,
+            void *wv, int64_t w_kind,
             int64_t head_stride, int64_t n_slots, int64_t *pos, float *out, const float *k_new, const float *v_new,
             const float *half_norm, int64_t t, const Token *T, float *sums, float *counts) {
   int64_t G = Hq / Hk, m = X->m, C = X->C, d = D / X->m;
@@ -359,8 +369,10 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     pq_tables_codes(qc, G, X->centroids + c * m * C * d, m, C, d, tables, key, norms, X->codes + c * X->code_head + t,
                     X->code_sub); /* t >= n: the search does not read the new codes */
     Searched found;
-    failed = pq_search_rows(tables, m, C, G, X->codes + c * X->code_head, X->code_sub, n, cand, sum_mode, wide, top,
-                            &found.rows, &found.e, searched_top);
+    const float *scale = row_scale ? row_scale + c * G : NULL;
+    const float *residuals = row_scale ? X->residuals + c * X->residual_head : NULL;
+    failed = pq_search_rows(tables, m, C, G, X->codes + c * X->code_head, X->code_sub, n, cand, sum_mode, wide, scale,
+                            residuals, top, &found.rows, &found.e, searched_top);
     found.top = searched_top;
     if (failed) break;
     head_scores(S, c, top, wide, qc, G, D, local, exact);

@@ -12,10 +12,10 @@ from pqcache.native.select import MODES
 
 
 class _Index(ctypes.Structure):
-    """pq_step.c's Index: a layer's centroids (Hk, m, C, d) and codes, by address."""
+    """pq_step.c's Index: a layer's centroids (Hk, m, C, d), codes and residuals, by address."""
 
-    _fields_ = [("centroids", ctypes.c_void_p), ("codes", ctypes.c_void_p)]
-    _fields_ += [(name, ctypes.c_int64) for name in ("m", "C", "code_head", "code_sub")]
+    _fields_ = [("centroids", ctypes.c_void_p), ("codes", ctypes.c_void_p), ("residuals", ctypes.c_void_p)]
+    _fields_ += [(name, ctypes.c_int64) for name in ("m", "C", "code_head", "code_sub", "residual_head")]
 
 
 class _Stores(ctypes.Structure):
@@ -44,6 +44,7 @@ def pq_step(
     window: tuple,
     token=None,
     cells=None,
+    row_scale=None,
 ):
     """A PQ layer's selection and attention for one token in one C call: pq_top's search for `wide` candidates, the
     re-rank's exact scores and combined_top's k picks (counts = (k, wide)), then attend_picks, with the same kernels
@@ -57,7 +58,9 @@ def pq_step(
     token's, written here from k_new, v_new (Hk, D) float32 -> the picks' positions (Hk, k) in position order and
     the output (1, Hq * D). cells: (sums (Hk, m C, D), counts (Hk, m C)) float32 and contiguous, each PQ cell's
     values summed and how many (engine/completion.ValueMeans), or None: with them the candidates not picked are
-    estimated and merged into the output (completion), and a token filed here is summed into its cells in place."""
+    estimated and merged into the output (completion), and a token filed here is summed into its cells in place.
+    row_scale (Hq,) float32, or None: the search ranks each token by its PQ score + row_scale x its residual
+    (methods/pqcache.spreads; index's residuals (Hk, S') float32)."""
     k, wide = counts
     shared_k, shared_v, S0, own_k, own_v = stores
     keys, values, n_slots, k_new, v_new = window
@@ -85,6 +88,10 @@ def pq_step(
             raise ValueError(f"pq_step: cells {tuple(sums.shape)}, {tuple(counts.shape)}: not ({Hk}, {P}, {D}) float32")
     X, keep = _index(index, D)
     q, cand, new = q.contiguous(), cand.contiguous(), _rows(k_new, v_new, Hk, D)
+    if row_scale is not None:
+        row_scale = row_scale.float().contiguous()
+        if row_scale.shape != (Hq,) or index[3] is None:
+            raise ValueError(f"pq_step: a margin of {tuple(row_scale.shape)} for {Hq} query rows, or no residuals")
 
     def address(t):
         return 0 if t is None else t.data_ptr()
@@ -97,7 +104,15 @@ def pq_step(
     pos = torch.empty((Hk, k), dtype=torch.int64)
     out = torch.empty(1, Hq * D)
     args = (q.data_ptr(), Hq, Hk, D, scaling, ctypes.byref(X), cand.data_ptr(), cand.shape[0], MODES[mode], wide, k)
-    args += (ctypes.byref(S), keys.data_ptr(), values.data_ptr(), native.KV_KINDS[keys.dtype], keys.stride(0), n_slots)
+    args += (
+        address(row_scale),
+        ctypes.byref(S),
+        keys.data_ptr(),
+        values.data_ptr(),
+        native.KV_KINDS[keys.dtype],
+        keys.stride(0),
+        n_slots,
+    )
     args += (pos.data_ptr(), out.data_ptr(), new[0].data_ptr(), new[1].data_ptr(), address(norms), t)
     if native.library().pq_step(*args, None if T is None else ctypes.byref(T), address(sums), address(counts)):
         raise MemoryError("pq_step: no scratch memory")
@@ -122,15 +137,24 @@ def pq_append(new: tuple, index: tuple, token: tuple):
 
 
 def _index(index: tuple, D: int):
-    """(centroids, codes, joint) -> the C Index and the tensors it points into (kept alive by the caller)."""
-    centroids, codes, _ = index
+    """(centroids, codes, joint, residuals or None) -> the C Index and the tensors it points into (kept alive by the
+    caller)."""
+    centroids, codes, _, residuals = index
     if codes.dtype != torch.uint8 or codes.stride(-1) != 1 or centroids.dtype != torch.float32:
         raise ValueError(f"pq_step: codes {codes.dtype}, centroids {centroids.dtype}")
     centroids = centroids.contiguous()
     _, m, C, d = centroids.shape
     if m * d != D or codes.shape[:2] != (centroids.shape[0], m):
         raise ValueError(f"pq_step: centroids {tuple(centroids.shape)}, codes {tuple(codes.shape)} for rows of {D}")
-    return _Index(centroids.data_ptr(), codes.data_ptr(), m, C, codes.stride(0), codes.stride(1)), centroids
+    if residuals is not None and (
+        residuals.dtype != torch.float32 or residuals.stride(-1) != 1 or residuals.shape[0] != codes.shape[0]
+    ):
+        raise ValueError(f"pq_step: residuals {residuals.dtype} {tuple(residuals.shape)}")
+    residual_ptr, residual_head = (0, 0) if residuals is None else (residuals.data_ptr(), residuals.stride(0))
+    X = _Index(
+        centroids.data_ptr(), codes.data_ptr(), residual_ptr, m, C, codes.stride(0), codes.stride(1), residual_head
+    )
+    return X, centroids
 
 
 def _rows(k, v, Hk: int, D: int):

@@ -27,23 +27,46 @@ def usable(operand: torch.Tensor, rows: int) -> bool:
     )
 
 
-def pq_top(tables: torch.Tensor, codes: torch.Tensor, cand: torch.Tensor, ks: list[int], k_max: int, mode: str):
+def pq_top(
+    tables: torch.Tensor,
+    codes: torch.Tensor,
+    cand: torch.Tensor,
+    ks: list[int],
+    k_max: int,
+    mode: str,
+    widened: tuple | None = None,
+):
     """tables (B, H, m, C, R) float32, codes (B, H, m, S') uint8 (tokens 0..n-1 scored), cand (B, n) bool ->
     positions (B, H, k_max) and validity (B, H, k_max): picks among the candidates; a row with fewer candidates
-    than its k also takes the earliest others, not valid (as select_top does)."""
+    than its k also takes the earliest others, not valid (as select_top does). widened: (row_scale (B, H, R),
+    residuals (B, H, S')) float32, the scores raised by row_scale[r] x residuals[t] (methods/pqcache.spreads), or
+    None."""
     B, H, m, C, R = tables.shape
     n = cand.shape[1]
     if codes.stride(-1) != 1 or codes.dtype != torch.uint8 or codes.shape[-1] < n:
         raise ValueError(f"pq_top: codes {tuple(codes.shape)} {codes.dtype} for {n} tokens")
     tables, cand, lib = tables.contiguous(), cand.contiguous(), native.library()
+    row_scale, residuals = (None, None) if widened is None else _widened(widened, B, H, R, n)
 
     def kernel(b: int, h: int, k: int, out: int) -> int:
         row = codes[b, h]  # (m, S'): sub-space j's codes at row.stride(0) * j
         args = (tables[b, h].data_ptr(), m, C, R, row.data_ptr(), row.stride(0), n, cand[b].data_ptr())
-        return lib.pq_search(*args, MODES[mode], k, out)
+        margin = (None, None) if widened is None else (row_scale[b, h].data_ptr(), residuals[b, h].data_ptr())
+        return lib.pq_search(*args, MODES[mode], k, *margin, out)
 
     top, in_rank = _each_row(B, H, ks, k_max, n, kernel, "pq_search")
     return top, in_rank & torch.gather(cand[:, None, :].expand(B, H, n), 2, top)
+
+
+def _widened(widened: tuple, B: int, H: int, R: int, n: int) -> tuple:
+    """pq_top's margin operands, checked, as the kernel reads them: float32 rows with unit stride."""
+    row_scale, residuals = widened
+    row_scale = row_scale.float().contiguous()
+    if row_scale.shape != (B, H, R) or residuals.shape[:2] != (B, H) or residuals.shape[2] < n:
+        raise ValueError(f"pq_top: a margin of {tuple(row_scale.shape)}, {tuple(residuals.shape)} for {n} tokens")
+    if residuals.dtype != torch.float32 or residuals.stride(-1) != 1:
+        raise ValueError(f"pq_top: residuals {residuals.dtype} with stride {residuals.stride(-1)}")
+    return row_scale, residuals
 
 
 def tables(q: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:

@@ -24,13 +24,15 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.attend_picks.restype = lib.pq_search.restype = lib.combine_top.restype = ctypes.c_int
     lib.attend_picks.argtypes = [pointer, size, pointer, pointer, size, size, size, size, size, ctypes.c_float, size]
     lib.attend_picks.argtypes += [pointer] * 4 + [size] * 2 + [pointer, size, size, pointer, pointer]
-    lib.pq_search.argtypes = [pointer, size, size, size, pointer, size, size, pointer, ctypes.c_int, size, pointer]
+    lib.pq_search.argtypes = [pointer, size, size, size, pointer, size, size, pointer, ctypes.c_int, size]
+    lib.pq_search.argtypes += [pointer] * 3
     lib.combine_top.argtypes = [pointer, size, size, pointer, ctypes.c_int, size, pointer]
     lib.pq_tables.restype = lib.pq_encode.restype = None
     lib.pq_tables.argtypes = [pointer, size, pointer, size, size, size, pointer]
     lib.pq_encode.argtypes = [pointer, pointer, pointer, size, size, size, pointer, size]
     lib.pq_step.restype = ctypes.c_int
     lib.pq_step.argtypes = [pointer] + [size] * 3 + [ctypes.c_float, pointer, pointer, size, ctypes.c_int, size, size]
+    lib.pq_step.argtypes += [pointer]  # row_scale
     lib.pq_step.argtypes += [pointer] * 3 + [size] * 3 + [pointer] * 5 + [size, pointer, pointer, pointer]
     lib.pq_append.restype = None
     lib.pq_append.argtypes = [pointer] * 2 + [size] * 2 + [pointer] * 2 + [size, pointer]

@@ -37,8 +37,9 @@ def document_bytes(model, config, method: str, n_tokens: int, device, keep_queri
     blocks = min(cfg.block_cache_for(device), n_tokens // 4) if copies else 0
     buffer = 2 * n_kv * head_dim * buffer_dtype(kv_dtype, weight.dtype, device).itemsize
     full = n_tokens * host_per_token + (cfg.budget_tokens(n_tokens) + 1) * buffer + blocks * per_token
-    # uint8 codes (m a token) and float32 centroids (2^bits x head_dim), and OPQ's rotation, per KV head
-    pq = n_kv * (cfg.m * n_tokens + (1 << cfg.bits_for(n_tokens, head_dim)) * head_dim * 4)
+    # uint8 codes (m a token), a float32 residual a token, float32 centroids (2^bits x head_dim), and OPQ's rotation,
+    # per KV head
+    pq = n_kv * ((cfg.m + 4) * n_tokens + (1 << cfg.bits_for(n_tokens, head_dim)) * head_dim * 4)
     pq += n_kv * head_dim * head_dim * 4 if cfg.opq else 0
     window = [(kw.get("sliding_window") or n_tokens + 1) - 1 + SPARE for kw in kwargs]
     return sum(

@@ -124,7 +124,8 @@ def test_memory_accounting_and_tiers():
     layer = cache.pq_layers[0]
     assert layer.method_state["index"].codes.dtype == torch.uint8
     n_layers = len(cache.pq_layers)
-    assert stats["pq_bytes"] == n_layers * B * H * (cfg.m * S + cfg.n_centroids * D * 4)
+    # a token's m codes and its float32 residual, and the centroids
+    assert stats["pq_bytes"] == n_layers * B * H * ((cfg.m + 4) * S + cfg.n_centroids * D * 4)
     assert stats["host_kv_bytes"] == n_layers * 2 * B * H * S * D * 2  # float16: kv_dtype "auto" on a CPU
     n_init, n_topk, n_local = cfg.split(S)
     # device: [sinks | window | 1 new token] at the host tier's float16 on a CPU (its block cache keeps books only);

@@ -127,9 +127,12 @@ def test_the_selection_does_not_depend_on_the_thread_count():
 
 @pytest.mark.parametrize("fused", [False, True])  # call by call (select.pq_top), or one C call (native/pq_step)
 @pytest.mark.parametrize("m, bits", [(4, 6), (1, 4)])  # (1, 4): the per-code combine, against torch's by tuples
-def test_a_decode_with_the_native_selection_keeps_torchs_tokens_and_picks(arch, monkeypatch, m, bits, fused):
+@pytest.mark.parametrize("margin", [0.0, 0.5])  # the first stage's margin: per token, in C and in torch
+def test_a_decode_with_the_native_selection_keeps_torchs_tokens_and_picks(arch, monkeypatch, m, bits, fused, margin):
     ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(7))
-    cfg = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, n_init=4, kmeans_iters=5, m=m, bits=bits)
+    cfg = PQCacheConfig(
+        token_budget=0.1, rerank_min_tokens=0, n_init=4, kmeans_iters=5, m=m, bits=bits, search_margin=margin
+    )
     owner, name = (native_step, "pq_step") if fused else (select, "pq_top")
     taken, real = [], getattr(owner, name)
 

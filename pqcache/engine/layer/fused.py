@@ -71,7 +71,11 @@ def step(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> tup
     if layer.config.completion:  # each PQ cell's values summed: the candidates left out estimated in the same call
         value_means = completion.value_means(layer.method_state, index, host)
         cells = (value_means.sums[0], value_means.counts[0])  # (H, m C, D), (H, m C)
-    top, out = native_step.pq_step(*args, token, cells)
+    margin = pq_method.first_stage_margin(layer.config)
+    row_scale = None
+    if margin:  # the first stage's margin (methods/pqcache.spreads), per query row
+        row_scale = pq_method.spreads(index, query.reshape(1, H, Hq // H, D) * scaling, margin)[0].view(Hq)
+    top, out = native_step.pq_step(*args, token, cells, row_scale)
     if value_means is not None and not alone:  # the call summed the token it filed into its cells
         value_means.summed_elsewhere(1)
     top = top[None]  # (1, H, k): every pick valid (a candidate, in the re-rank's k)
@@ -89,8 +93,10 @@ def step(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> tup
 
 
 def _index(index) -> tuple:
-    """The index as native/pq_step reads it: (centroids (H, m, C, d), codes (H, m, S'), joint (H, S') or None)."""
-    return index.segments[0][1][0], index.codes[0], None if index.joint is None else index.joint[0]
+    """The index as native/pq_step reads it: (centroids (H, m, C, d), codes (H, m, S'), joint (H, S') or None,
+    residuals (H, S'))."""
+    joint = None if index.joint is None else index.joint[0]
+    return index.segments[0][1][0], index.codes[0], joint, index.residuals[0]
 
 
 def _token(layer, index) -> tuple:
@@ -109,9 +115,10 @@ def _token(layer, index) -> tuple:
 
 
 def _filed(layer, index):
-    """The counts kept in Python once the new token is filed: the tier's length, the ring's real tokens, the index's
-    decoded tokens (and a rebuild when they are due)."""
+    """The books kept in Python once the new token is filed: the tier's length, the ring's real tokens, the token's
+    residual, the index's decoded tokens (and a rebuild when they are due)."""
     t = layer.host.S
     layer.host.S += 1
     layer.window.n_real[0] += 1
+    index.note_residuals(t, t + 1)  # the call wrote its codes
     index.appended(t, 1)

@@ -53,6 +53,9 @@ class PQIndex:
         self.n_tuples = self.C**m
         self.use_tuples = self.n_tuples <= 1 << 16
         self.joint = torch.zeros((B, H, 0), dtype=torch.int32, device=self.device) if self.use_tuples else None
+        # each token's quantization error ||k - k_hat|| (k_hat: its key as its codes give it), float32: the first
+        # stage's margin (config.search_margin) widens a score by it
+        self.residuals = torch.zeros((B, H, 0), dtype=torch.float32, device=self.device)
         self.segments: list[tuple[int, torch.Tensor]] = []  # (start position, centroids (B, H, m, C, d))
         # OPQ rotations (B, H, D, D) by segment start, kept on the host: keys and queries are rotated
         # before the codebooks see them (q.k = Rq.Rk for an orthogonal R)
@@ -95,7 +98,6 @@ class PQIndex:
     def install(self, result: dict):
         """Put a finished build in place (on the decoding thread, between steps)."""
         start, end, cents = result["start"], result["end"], result["centroids"]
-        self.set_codes(start, end, result["codes"])
         if result["kind"] == "rebuild":
             self.segments, self.rotations = [(0, cents)], {}
             self.stats["rebuilds"] += 1
@@ -106,6 +108,7 @@ class PQIndex:
                 self.stats["turn_segments"] += 1
         if result.get("rotation") is not None:
             self.rotations[self.segments[-1][0]] = result["rotation"]
+        self.set_codes(start, end, result["codes"], result["residuals"])
         S = self.host.S
         if S > end:  # tokens appended while it ran: code them with the segment they now belong to
             self.set_codes(end, S, self.encode(self.host.keys(end, S, device=self.device)))
@@ -113,11 +116,16 @@ class PQIndex:
             self.stats["pq_build_s"] = result["seconds"]
 
     # ---- codes -----------------------------------------------------------------------------------
-    def set_codes(self, start: int, end: int, codes: torch.Tensor):
-        """codes (B, H, m, end - start) uint8 -> the code buffer, and the joint index when used:
-        joint = (b*H + h) * C^m + sum_j code_j * C^(m-1-j), the row of the token's code tuple."""
+    def set_codes(self, start: int, end: int, codes: torch.Tensor, residuals: torch.Tensor | None = None):
+        """codes (B, H, m, end - start) uint8 -> the code buffer, the tokens' residuals, and the joint index when
+        used: joint = (b*H + h) * C^m + sum_j code_j * C^(m-1-j), the row of the token's code tuple. The segments
+        holding [start, end) are in place; residuals (B, H, end - start): theirs, where the caller has them."""
         self.reserve(end)
         self.codes[..., start:end] = codes
+        if residuals is None:
+            self.note_residuals(start, end)
+        else:
+            self.residuals[..., start:end] = residuals
         if self.joint is None:
             return
         C, m = self.C, self.config.m
@@ -127,8 +135,17 @@ class PQIndex:
         base = torch.arange(self.host.B * self.host.H, device=self.device, dtype=torch.int32) * self.n_tuples
         self.joint[..., start:end] = j + base.view(self.host.B, self.host.H, 1)
 
+    def note_residuals(self, start: int, end: int):
+        """The residuals of tokens [start, end), whose keys and codes are stored, segment by segment."""
+        bounds = [s for s, _ in self.segments[1:]] + [max(end, self.host.S)]
+        for (lo, cents), hi in zip(self.segments, bounds, strict=True):
+            a, b = max(start, lo), min(end, hi)
+            if a < b:
+                keys = self.rotate(self.host.keys(a, b, device=self.device, dtype=torch.float32), lo)
+                self.residuals[..., a:b] = (keys - pq.reconstruct(self.codes[..., a:b], cents)).norm(dim=-1)
+
     def reserve(self, n: int):
-        """Room for codes (and the joint index) of n positions."""
+        """Room for codes (and their residuals and the joint index) of n positions."""
         cap = self.codes.shape[-1]
         if n <= cap:
             return
@@ -136,6 +153,9 @@ class PQIndex:
         codes = torch.zeros((*self.codes.shape[:-1], cap), dtype=torch.uint8, device=self.device)
         codes[..., : self.codes.shape[-1]] = self.codes
         self.codes = codes
+        residuals = torch.zeros((*self.residuals.shape[:-1], cap), dtype=torch.float32, device=self.device)
+        residuals[..., : self.residuals.shape[-1]] = self.residuals
+        self.residuals = residuals
         if self.joint is not None:
             joint = torch.zeros((*self.joint.shape[:-1], cap), dtype=torch.int32, device=self.device)
             joint[..., : self.joint.shape[-1]] = self.joint
@@ -199,16 +219,18 @@ class PQIndex:
         S = host.S
         new.codes = self.codes[..., :S].clone()
         new.joint = None if self.joint is None else self.joint[..., :S].clone()
+        new.residuals = self.residuals[..., :S].clone()
         new.segments, new.generated, new.stats = list(self.segments), self.generated, dict(self.stats)
         new.rotations = dict(self.rotations)
         return new
 
     @property
     def nbytes(self) -> int:
-        """Codes (m bytes per token and head) and centroids (float32), as stored on the device."""
+        """Codes (m bytes per token and head), residuals (4 bytes) and centroids (float32), as stored on the
+        device."""
         B, H, S = self.host.B, self.host.H, self.host.S
         cfg = self.config
-        return B * H * (cfg.m * S + len(self.segments or [0]) * self.C * self.host.D * 4)
+        return B * H * ((cfg.m + 4) * S + len(self.segments or [0]) * self.C * self.host.D * 4)
 
 
 def train(index: PQIndex, start: int, end: int, iters: int, kind: str) -> dict:
@@ -237,14 +259,16 @@ def train(index: PQIndex, start: int, end: int, iters: int, kind: str) -> dict:
                 cents[b, h] = pq.train_centroids(x, m, C, iters, cfg.metric, cfg.seed + 97 * h)
         if rotation is not None:
             keys = keys.float() @ rotation.transpose(-1, -2)
-        cents = cents.to(index.device)
-        codes = pq.encode(keys.to(index.device), cents, cfg.metric)
+        cents, keys = cents.to(index.device), keys.to(index.device)
+        codes = pq.encode(keys, cents, cfg.metric)
+        residuals = (keys.float() - pq.reconstruct(codes, cents)).norm(dim=-1)
     return {
         "kind": kind,
         "start": start,
         "end": end,
         "centroids": cents,
         "codes": codes,
+        "residuals": residuals,
         "rotation": rotation,
         "seconds": time.perf_counter() - t0,
     }

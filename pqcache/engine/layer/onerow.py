@@ -35,7 +35,7 @@ import torch
 from pqcache.engine.layer import fused
 from pqcache.engine.layer.attention import masked_attention, query_key_dots
 from pqcache.engine.layer.probe import observe_picks
-from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, rerank_exact, search
+from pqcache.engine.methods.pqcache import PQCacheMethod, first_stage_count, first_stage_margin, rerank_exact, search
 from pqcache.engine.sources import add_weights
 from pqcache.native import KV_KINDS
 from pqcache.native import select as native_select
@@ -111,7 +111,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
         qs = q * scaling
         wide = first_stage_count(config, k, n_cand)
         mode = config.gqa_combine
-        top, top_valid = search(index, qs, cand, [wide], mode)
+        top, top_valid = search(index, qs, cand, [wide], mode, first_stage_margin(config))
         if wide != k:
             top, top_valid, scores = rerank_exact(host, qs, top, top_valid, [k], config)
 

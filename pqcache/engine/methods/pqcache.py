@@ -89,8 +89,9 @@ class PQCacheMethod(ScoreMethod):
         return top, valid
 
     def search(self, view, q, ks: list[int]):
-        """The first stage: the ks[b] best candidates of each row by PQ scores."""
-        return search(view.state["index"], q, view.candidates, ks, view.config.gqa_combine)
+        """The first stage: the ks[b] best candidates of each row by PQ scores (and a margin, before a re-rank)."""
+        config = view.config
+        return search(view.state["index"], q, view.candidates, ks, config.gqa_combine, first_stage_margin(config))
 
     def stats(self, view):
         index = view.state.get("index")
@@ -102,18 +103,37 @@ class PQCacheMethod(ScoreMethod):
         return (0 if index is None else index.nbytes) + (0 if means is None else means.nbytes)
 
 
-def search(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], mode: str):
-    """q (B, H, R, D) scaled, cand (B, S) -> the ks[b] best candidates of each row by PQ scores: positions
-    (B, H, k) and validity."""
+def search(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], mode: str, margin: float = 0.0):
+    """q (B, H, R, D) scaled, cand (B, S) -> the ks[b] best candidates of each row by PQ scores, each raised by
+    margin x its spread (spreads): positions (B, H, k) and validity."""
     k_max = min(max(ks), index.host.S)
+    widened = None if margin == 0 else spreads(index, q, margin)
     if searches_natively(index, q.shape[2]):
         q, cents = index.rotate(q, 0), index.segments[0][1]
         # (B, H, m, C, R); pq_codes.c's where q is float32 too (a step's few rows: 0.10 ms a layer less, Zen 3)
         tables = native_select.tables(q, cents) if q.dtype == torch.float32 else pq.lookup_tables(q, cents)
-        return native_select.pq_top(tables, index.codes, cand, ks, k_max, mode)
-    if _by_tuples(index):
+        return native_select.pq_top(tables, index.codes, cand, ks, k_max, mode, widened)
+    if widened is None and _by_tuples(index):  # a margin makes a token's score its own, not its tuple's
         return select_by_tuples(index, q, cand, ks, k_max, mode)
-    return select_top(approx_scores(index, q), cand, ks, k_max, mode)
+    scores = approx_scores(index, q)  # (B, H, S, R)
+    if widened is not None:
+        row_scale, residuals = widened
+        scores += residuals[..., : scores.shape[2], None] * row_scale[:, :, None, :]
+    return select_top(scores, cand, ks, k_max, mode)
+
+
+def first_stage_margin(config) -> float:
+    """config.search_margin where a re-rank follows the PQ search (rerank > 1), else 0: alone, the search's picks
+    are attended, and a margin would only trade a well-scored token for a poorly scored one."""
+    return config.search_margin if config.rerank > 1 else 0.0
+
+
+def spreads(index: PQIndex, q: torch.Tensor, margin: float) -> tuple:
+    """What the first stage adds to the PQ score of token t for query row r: row_scale[r] x residuals[t], margin
+    spreads of the score's error q.(k - k_hat), whose size is ||q|| ||k - k_hat|| / sqrt(D) for an error of no
+    preferred direction. q (B, H, R, D) scaled -> (row_scale (B, H, R) float32, the index's residuals (B, H, S'))."""
+    row_scale = q.float().norm(dim=-1) * (margin / q.shape[-1] ** 0.5)
+    return row_scale, index.residuals
 
 
 def _by_tuples(index: PQIndex) -> bool:
