@@ -43,7 +43,8 @@ def bench_attention(
 ) -> list[dict]:
     """One decode step of one layer (Llama-3.1-8B head shapes): dense SDPA over s tokens against the
     PQCache step (PQ search + exact re-rank + top-k + gather + attention + appending the new token),
-    with the search's and the re-rank's share of the step. m, bits, rerank: None for the defaults.
+    with the search's and the re-rank's share of the step, and the same step with completion and without the first
+    stage's margin (search_margin=0). m, bits, rerank: None for the defaults.
     The block cache is off here: on a CPU the device and host tiers are the same memory (see
     `bench blockcache`)."""
     settings = {k: v for k, v in {"m": m, "bits": bits, "rerank": rerank}.items() if v is not None}
@@ -73,6 +74,8 @@ def bench_attention(
         # the same step with completion (the unselected tokens estimated from their codes): a fork of the layer,
         # its codes and codebooks shared, so both steps read the same index
         completed = layer.fork(PQCacheMethod(), InlineExecutor(), replace(cfg, completion=True))
+        # and the paper's ranking of the first stage (no margin, search_margin=0), on a fork too
+        unwidened = layer.fork(PQCacheMethod(), InlineExecutor(), replace(cfg, search_margin=0.0))
 
         def pq_step(pq_layer=layer):
             pq_layer.update(k_new, v_new)
@@ -80,6 +83,9 @@ def bench_attention(
 
         def completed_step():
             pq_step(completed)
+
+        def unwidened_step():
+            pq_step(unwidened)
 
         q_rows = q.reshape(1, n_kv, n_q // n_kv, head_dim) * scaling
         view = layer.view()
@@ -94,13 +100,14 @@ def bench_attention(
             rerank_exact(view.host, q_rows, *qs, ks, cfg)
 
         steps = {"dense": dense, "pq": pq_step, "search": search, "rerank": rerank_stage, "completed": completed_step}
+        steps["unwidened"] = unwidened_step
         for fn in steps.values():  # warm-up
             fn()
         times = {name: [] for name in steps}
         for _ in range(repeats):  # interleaved, so machine noise hits them all alike
             for name, fn in steps.items():
                 times[name].append(median_ms(fn, 1, sync))
-        d, p, sr, rr, c = (statistics.median(times[x]) for x in steps)
+        d, p, sr, rr, c, u = (statistics.median(times[x]) for x in steps)
         rows.append(
             {
                 "seq_len": s,
@@ -114,6 +121,8 @@ def bench_attention(
                 "rerank_share": round(min(rr / p, 1.0), 3),
                 "completion_ms": round(c, 3),
                 "completion_vs_pqcache": round(c / p, 2),
+                "no_margin_ms": round(u, 3),
+                "margin_vs_none": round(p / u, 2),
             }
         )
     return rows

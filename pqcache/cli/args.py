@@ -301,6 +301,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--reranks", type=_opt_ints, default=(1, 2, 4, 8), help="recall: re-rank factors")
     e.add_argument(
+        "--margins",
+        type=lambda t: tuple(float(x) for x in t.split(",")),
+        default=(0.5,),
+        help="recall: first-stage margins (search_margin), e.g. 0,0.5",
+    )
+    e.add_argument(
         "--budgets",
         type=lambda t: tuple(_budget(x) for x in t.split(",")),
         default=None,

@@ -53,6 +53,7 @@ def cmd_eval(args) -> int:
             ms=args.ms,
             bits_list=args.bits_list,
             reranks=args.reranks,
+            margins=args.margins,
             opqs=args.opq_list,
             budgets=args.budgets or (0.1,),
         )

@@ -19,13 +19,15 @@ def recall_study(
     ms=(None, 2, 4),
     bits_list=(None, 6, 8),
     reranks=(1, 2, 4, 8),
+    margins=(0.5,),
     opqs=(False,),
     budgets=(0.1,),
     n_queries: int = 16,
     iters: int = 20,
 ) -> list[dict]:
     """Top-k recall of the selection as it works (PQ search, then the exact re-rank of rerank x k
-    candidates) against the exact top-k under the same rule (same candidates, same GQA combine, same
+    candidates, ranked by PQ score plus each of `margins` (search_margin) before it) against the exact top-k under the
+    same rule (same candidates, same GQA combine, same
     k), per KV head and per query head (each query head's own exact top-k), and the share of the
     exact attention mass on the attended tokens (sinks + top-k + window). On the model's real keys:
     the full-attention layers' keys of one prefill, the last n_queries prefill queries as queries.
@@ -36,6 +38,7 @@ def recall_study(
 
     from pqcache.engine.layer.probe import exact_topk_set, selection_recall
     from pqcache.engine.layer.standalone import filled_layer
+    from pqcache.engine.methods.pqcache import first_stage_margin
 
     device = next(model.parameters()).device
     ids = tokenizer(context, return_tensors="pt").input_ids.to(device)
@@ -70,8 +73,10 @@ def recall_study(
                     acc["mass_recall"].append(mass.mean().item())
                     acc["qhead"].append(qhead.mean().item())
                 rows.append(_row(layer.layer_idx, "oracle", None, None, None, None, budget, acc))
-            for rerank in reranks:
-                pql.config = replace(pql.config, rerank=rerank)
+            for rerank, margin in itertools.product(reranks, margins):
+                if rerank == 1 and margin != margins[0]:  # without a re-rank the margin is not applied
+                    continue
+                pql.config = replace(pql.config, rerank=rerank, search_margin=margin)
                 acc = {"recall": [], "mass_recall": [], "qhead": []}
                 for q in queries:
                     top, valid = pql.select(q, 1.0)
@@ -91,7 +96,8 @@ def recall_study(
                     acc["mass_recall"].append(mass.mean().item())
                     acc["qhead"].append(qhead.mean().item())
                 bits_used = pql.method_state["index"].bits
-                rows.append(_row(layer.layer_idx, "pqcache", pql.config.m, bits_used, rerank, opq, budget, acc))
+                row = _row(layer.layer_idx, "pqcache", pql.config.m, bits_used, rerank, opq, budget, acc)
+                rows.append({**row, "margin": first_stage_margin(pql.config)})
     base.close()
     return rows
 

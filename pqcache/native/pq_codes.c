@@ -9,6 +9,7 @@
 
    A decode step needs both from one codebook: pq_tables_codes computes them in one pass over the centroids, which
    the step (pq_step.c) would otherwise read twice, the second time mostly from memory. */
+#include <math.h>
 #include <stdint.h>
 
 #include "lanes16.h" /* lanes_dot */
@@ -16,9 +17,11 @@
 /* q (R, m d): R query rows; centroids (m, C, d) -> tables (m, C, R): tables[j][c][r] = q_r's sub-vector j . c.
    And where key (m d,) is not NULL, codes[j * stride], j < m: the centroid c of sub-space j with the largest
    key_j . c - half_norm[j][c] (the nearest, ||key_j - c||^2 = ||key_j||^2 - 2 (that)), or of key_j . c where
-   half_norm is NULL (the "ip" metric); the first of equal scores, as torch's argmax takes it. */
+   half_norm is NULL (the "ip" metric); the first of equal scores, as torch's argmax takes it. And where residual
+   is not NULL, *residual = ||key - its codes' centroids|| (index.py's residuals: the first stage's margin). */
 void pq_tables_codes(const float *q, int64_t R, const float *centroids, int64_t m, int64_t C, int64_t d, float *tables,
-                     const float *key, const float *half_norm, uint8_t *codes, int64_t stride) {
+                     const float *key, const float *half_norm, uint8_t *codes, int64_t stride, float *residual) {
+  float squared = 0.0f;
   for (int64_t j = 0; j < m; j++) {
     int64_t best = 0;
     float top = 0.0f;
@@ -32,15 +35,19 @@ void pq_tables_codes(const float *q, int64_t R, const float *centroids, int64_t 
         best = c;
       }
     }
-    if (key) codes[j * stride] = (uint8_t)best;
+    if (!key) continue;
+    codes[j * stride] = (uint8_t)best;
+    const float *centroid = centroids + (j * C + best) * d;
+    for (int64_t i = 0; i < d; i++) squared += (key[j * d + i] - centroid[i]) * (key[j * d + i] - centroid[i]);
   }
+  if (key && residual) *residual = sqrtf(squared);
 }
 
 void pq_tables(const float *q, int64_t R, const float *centroids, int64_t m, int64_t C, int64_t d, float *tables) {
-  pq_tables_codes(q, R, centroids, m, C, d, tables, NULL, NULL, NULL, 0);
+  pq_tables_codes(q, R, centroids, m, C, d, tables, NULL, NULL, NULL, 0, NULL);
 }
 
 void pq_encode(const float *key, const float *centroids, const float *half_norm, int64_t m, int64_t C, int64_t d,
-               uint8_t *codes, int64_t stride) {
-  pq_tables_codes(NULL, 0, centroids, m, C, d, NULL, key, half_norm, codes, stride);
+               uint8_t *codes, int64_t stride, float *residual) {
+  pq_tables_codes(NULL, 0, centroids, m, C, d, NULL, key, half_norm, codes, stride, residual);
 }

@@ -25,7 +25,7 @@
 #endif
 
 void pq_tables_codes(const float *q, int64_t R, const float *centroids, int64_t m, int64_t C, int64_t d, float *tables,
-                     const float *key, const float *half_norm, uint8_t *codes, int64_t stride);
+                     const float *key, const float *half_norm, uint8_t *codes, int64_t stride, float *residual);
 int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
                    int64_t n, const uint8_t *cand, int sum_mode, int64_t k, const float *row_scale,
                    const float *residuals, int64_t *pos, const float **rows,
@@ -49,13 +49,18 @@ typedef struct {
 
 /* The PQ index of one layer: centroids (Hk, m, C, d) float32; codes: head c's sub-space j's code of token t at
    codes[c * code_head + j * code_sub + t]; residuals: head c's token t's quantization error at
-   residuals[c * residual_head + t] (float32). */
+   residuals[c * residual_head + t] (float32; NULL: not kept). */
 typedef struct {
   const float *centroids;
   uint8_t *codes;
-  const float *residuals;
+  float *residuals;
   int64_t m, C, code_head, code_sub, residual_head;
 } Index;
+
+/* where head c's token t's residual goes (NULL where the index keeps none) */
+static inline float *residual_at(const Index *X, int64_t c, int64_t t) {
+  return X->residuals ? X->residuals + c * X->residual_head + t : NULL;
+}
 
 /* Where a decode step's new token goes: its key and value rows in the host tier's own store and in the window's ring
    slot (head h's row at h * *_head elements of *_kind), its flags (the tier's valid and searchable bytes, the ring
@@ -367,7 +372,7 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     const float *qc = qs + c * G * D;
     const float *key = T ? k_new + c * D : NULL, *norms = half_norm ? half_norm + c * m * C : NULL;
     pq_tables_codes(qc, G, X->centroids + c * m * C * d, m, C, d, tables, key, norms, X->codes + c * X->code_head + t,
-                    X->code_sub); /* t >= n: the search does not read the new codes */
+                    X->code_sub, residual_at(X, c, t)); /* t >= n: the search does not read the new codes */
     Searched found;
     const float *scale = row_scale ? row_scale + c * G : NULL;
     const float *residuals = row_scale ? X->residuals + c * X->residual_head : NULL;
@@ -422,6 +427,7 @@ void pq_append(const float *k, const float *v, int64_t Hk, int64_t D, const Inde
   int64_t m = X->m, C = X->C, d = D / m;
   for (int64_t c = 0; c < Hk; c++)
     pq_tables_codes(NULL, 0, X->centroids + c * m * C * d, m, C, d, NULL, k + c * D,
-                    half_norm ? half_norm + c * m * C : NULL, X->codes + c * X->code_head + t, X->code_sub);
+                    half_norm ? half_norm + c * m * C : NULL, X->codes + c * X->code_head + t, X->code_sub,
+                    residual_at(X, c, t));
   file_token(k, v, Hk, D, X, t, T);
 }

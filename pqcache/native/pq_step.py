@@ -123,10 +123,10 @@ def pq_step(
 def pq_append(new: tuple, index: tuple, token: tuple):
     """A decode step's new token filed in one C call, as layer/onerow.py's _append files it: new = (k, v) (Hk, D)
     float32; index as pq_step's; token: (half_norm, t, rows, flags): half_norm (Hk, m, C) float32 of the centroids
-    (None: the inner-product metric), the codes written at position t; rows (own_k, own_v, ring_k, ring_v): the
-    (Hk, D) rows the token's key and value go to, views of the host tier's own store and of the window's ring slot,
-    each of one kind of native.KV_KINDS (keys and values alike); flags (valid, searchable, slot_pos): one-element
-    views set to True, True and t."""
+    (None: the inner-product metric), the codes (and the residual, where index has residuals) written at position
+    t; rows (own_k, own_v, ring_k, ring_v): the (Hk, D) rows the token's key and value go to, views of the host tier's
+    own store and of the window's ring slot, each of one kind of native.KV_KINDS (keys and values alike); flags
+    (valid, searchable, slot_pos): one-element views set to True, True and t."""
     Hk, D = new[0].shape
     X, keep = _index(index, D)
     k, v = _rows(*new, Hk, D)
@@ -178,6 +178,9 @@ def _token(token: tuple, index: tuple, Hk: int, D: int):
         raise ValueError(f"pq_append: position {t} of {codes.shape[-1]} coded; flags (bool, bool, int64)")
     if joint is not None and (joint.dtype != torch.int32 or joint.stride(-1) != 1 or not t < joint.shape[-1]):
         raise ValueError(f"pq_append: a joint index of {joint.dtype}, {tuple(joint.shape)}")
+    residuals = index[3]
+    if residuals is not None and not t < residuals.shape[-1]:
+        raise ValueError(f"pq_append: position {t} of {residuals.shape[-1]} residuals")
     if half_norm is not None:
         half_norm = half_norm.contiguous()
     T = _Token(*(x.data_ptr() for x in (own_k, own_v, ring_k, ring_v, valid, searchable, slot_pos)))

@@ -82,10 +82,17 @@ def tables(q: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def encode_one(key: torch.Tensor, centroids: torch.Tensor, half_norm: torch.Tensor | None, codes: torch.Tensor):
+def encode_one(
+    key: torch.Tensor,
+    centroids: torch.Tensor,
+    half_norm: torch.Tensor | None,
+    codes: torch.Tensor,
+    residuals: torch.Tensor | None = None,
+):
     """key (B, H, 1, D) float32, centroids (B, H, m, C, d) float32, half_norm (B, H, m, C) float32 (None: the
     inner-product metric) -> codes[b, h, :] (the (B, H, m) view given, uint8) = the key's nearest centroids, as
-    pq.encode picks them, within float32 rounding (pq_codes.c)."""
+    pq.encode picks them, within float32 rounding (pq_codes.c); and where residuals (B, H) float32 is given,
+    residuals[b, h] = ||key - its codes' centroids||."""
     B, H, _, D = key.shape
     m, C, d = centroids.shape[-3:]
     key, centroids, lib = key.contiguous(), centroids.contiguous(), native.library()
@@ -94,7 +101,8 @@ def encode_one(key: torch.Tensor, centroids: torch.Tensor, half_norm: torch.Tens
         for h in range(H):
             norms = 0 if half_norm is None else half_norm[b, h].data_ptr()
             args = (key[b, h].data_ptr(), centroids[b, h].data_ptr(), norms, m, C, d)
-            lib.pq_encode(*args, codes[b, h].data_ptr(), codes.stride(2))
+            residual = 0 if residuals is None else residuals[b, h].data_ptr()
+            lib.pq_encode(*args, codes[b, h].data_ptr(), codes.stride(2), residual)
     return codes
 
 

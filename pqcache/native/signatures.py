@@ -29,7 +29,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.combine_top.argtypes = [pointer, size, size, pointer, ctypes.c_int, size, pointer]
     lib.pq_tables.restype = lib.pq_encode.restype = None
     lib.pq_tables.argtypes = [pointer, size, pointer, size, size, size, pointer]
-    lib.pq_encode.argtypes = [pointer, pointer, pointer, size, size, size, pointer, size]
+    lib.pq_encode.argtypes = [pointer, pointer, pointer, size, size, size, pointer, size, pointer]
     lib.pq_step.restype = ctypes.c_int
     lib.pq_step.argtypes = [pointer] + [size] * 3 + [ctypes.c_float, pointer, pointer, size, ctypes.c_int, size, size]
     lib.pq_step.argtypes += [pointer]  # row_scale

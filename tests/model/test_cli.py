@@ -105,9 +105,12 @@ def test_bench_attention_json_shape(cli):
             "rerank_share",
             "completion_ms",
             "completion_vs_pqcache",
+            "no_margin_ms",
+            "margin_vs_none",
         }
         assert r["dense_ms"] > 0 and r["pqcache_ms"] > 0 and 0 < r["search_share"] <= 1
         assert r["completion_ms"] > 0 and r["completion_vs_pqcache"] == round(r["completion_ms"] / r["pqcache_ms"], 2)
+        assert r["no_margin_ms"] > 0 and r["margin_vs_none"] == round(r["pqcache_ms"] / r["no_margin_ms"], 2)
         assert 0 < r["rerank_share"] <= 1  # the exact re-rank's share of the step
         assert (r["m"], r["rerank"]) == (2, 4) and 4 <= r["bits"] <= 8  # defaults for 128-dim heads
 

@@ -74,18 +74,36 @@ def test_recall_study_on_real_keys(real_model):
     from pqcache.eval.recall import recall_study
 
     rows = recall_study(
-        model, tok, text, ms=(2,), bits_list=(4, 8), reranks=(1, 4, 1000), budgets=(0.1,), n_queries=4, iters=5
+        model,
+        tok,
+        text,
+        ms=(2,),
+        bits_list=(4, 8),
+        reranks=(1, 4, 1000),
+        margins=(0.0, 0.5),
+        budgets=(0.1,),
+        n_queries=4,
+        iters=5,
     )
     oracle, rows = [r for r in rows if r["method"] == "oracle"], [r for r in rows if r["method"] == "pqcache"]
-    assert [(r["layer"], r["bits"], r["rerank"]) for r in rows][:4] == [(5, 4, 1), (5, 4, 4), (5, 4, 1000), (5, 8, 1)]
-    assert len(rows) == 3 * 2 * 3 and [r["layer"] for r in oracle] == [5, 11, 17]  # one Oracle row a layer and budget
+    first = [(r["layer"], r["bits"], r["rerank"], r["margin"]) for r in rows][:6]
+    assert first == [
+        (5, 4, 1, 0.0),
+        (5, 4, 4, 0.0),
+        (5, 4, 4, 0.5),
+        (5, 4, 1000, 0.0),
+        (5, 4, 1000, 0.5),
+        (5, 8, 1, 0.0),
+    ]
+    # without a re-rank no margin applies: one row; with one, a row per margin
+    assert len(rows) == 3 * 2 * 5 and [r["layer"] for r in oracle] == [5, 11, 17]  # one Oracle row a layer and budget
     assert all(0 <= r["recall"] <= 1 and 0 < r["mass_recall"] <= 1 and 0 <= r["qhead_recall"] <= 1 for r in rows)
-    by = {(r["layer"], r["bits"], r["rerank"]): r for r in rows}
-    for (layer, bits, rerank), r in by.items():
-        if rerank == 1000:  # every candidate re-ranked exactly: the exact top-k itself
+    by = {(r["layer"], r["bits"], r["rerank"], r["margin"]): r for r in rows}
+    for (layer, bits, rerank, _margin), r in by.items():
+        if rerank == 1000:  # every candidate re-ranked exactly: the exact top-k itself, whatever ranked them first
             assert r["recall"] == 1.0
         if rerank == 4:
-            assert r["recall"] >= by[(layer, bits, 1)]["recall"]  # the re-rank only adds exact information
+            assert r["recall"] >= by[(layer, bits, 1, 0.0)]["recall"]  # the re-rank only adds exact information
     for o in oracle:  # the exact top-k under the combine: all of itself; each query head's own top-k only in part
-        exact = by[(o["layer"], 4, 1000)]
+        exact = by[(o["layer"], 4, 1000, 0.0)]
         assert o["recall"] == 1.0 and o["qhead_recall"] == exact["qhead_recall"] and o["qhead_recall"] <= 1

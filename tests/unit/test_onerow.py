@@ -60,6 +60,7 @@ def _same_layers(a, b):
         assert torch.equal(x.host.searchable[:, :S], y.host.searchable[:, :S])
         ix, iy = x.method_state["index"], y.method_state["index"]
         assert torch.equal(ix.codes[..., :S], iy.codes[..., :S])
+        assert torch.equal(ix.residuals[..., :S], iy.residuals[..., :S])  # the next step's margin reads them
         assert (ix.joint is None) == (iy.joint is None)
         assert ix.joint is None or torch.equal(ix.joint[..., :S], iy.joint[..., :S])
         assert ix.generated == iy.generated

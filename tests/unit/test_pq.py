@@ -184,7 +184,7 @@ def test_opq_rotates_keys_and_queries_consistently():
     expected = recon @ (q @ R.T).transpose(-1, -2)  # (1, 1, S, 3)
     torch.testing.assert_close(approx_scores(index, q), expected, rtol=1e-4, atol=1e-4)
     k_new = torch.randn(1, 1, 1, 32, generator=g)
-    assert torch.equal(index.encode(k_new), pq.encode(k_new @ R.T, index.segments[0][1], "l2"))
+    assert torch.equal(index.encode(k_new)[0], pq.encode(k_new @ R.T, index.segments[0][1], "l2"))
 
 
 def test_opq_at_full_budget_equals_full_attention():

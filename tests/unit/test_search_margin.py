@@ -39,7 +39,9 @@ def _same_residuals(cache):
     for layer in cache.pq_layers:
         index = layer.method_state["index"]
         assert index.residuals.shape[-1] >= index.host.S
-        torch.testing.assert_close(index.residuals[..., : index.host.S], _residuals_recomputed(index))
+        # a decoded token's residual is its key's as coded (float32), the host tier's key is rounded to float16
+        got, want = index.residuals[..., : index.host.S], _residuals_recomputed(index)
+        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-3)
         assert bool((index.residuals[..., : index.host.S] > 0).any())  # coded tokens, not the buffer's zeros
 
 

@@ -85,7 +85,8 @@ def step(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> tup
         observe_picks(layer, query.reshape(1, H, Hq // H, D), scaling, top, top_valid, moved)
     if alone:
         with layer.span("copy to host"):  # the span _store's copy has (the codes and ring slot are in it too)
-            native_step.pq_append(new, _index(index), _token(layer, index))
+            token = _token(layer, index)  # first: the room it makes may move the index's buffers
+            native_step.pq_append(new, _index(index), token)
     if observed:
         layer.obs.moved("to_host", 2 * k_new.numel() * k_new.element_size())
     _filed(layer, index)
@@ -115,10 +116,9 @@ def _token(layer, index) -> tuple:
 
 
 def _filed(layer, index):
-    """The books kept in Python once the new token is filed: the tier's length, the ring's real tokens, the token's
-    residual, the index's decoded tokens (and a rebuild when they are due)."""
+    """The counts kept in Python once the new token is filed: the tier's length, the ring's real tokens, the index's
+    decoded tokens (and a rebuild when they are due)."""
     t = layer.host.S
     layer.host.S += 1
     layer.window.n_real[0] += 1
-    index.note_residuals(t, t + 1)  # the call wrote its codes
     index.appended(t, 1)

@@ -111,7 +111,7 @@ class PQIndex:
         self.set_codes(start, end, result["codes"], result["residuals"])
         S = self.host.S
         if S > end:  # tokens appended while it ran: code them with the segment they now belong to
-            self.set_codes(end, S, self.encode(self.host.keys(end, S, device=self.device)))
+            self.set_codes(end, S, *self.encode(self.host.keys(end, S, device=self.device)))
         if result["kind"] == "prefill":
             self.stats["pq_build_s"] = result["seconds"]
 
@@ -166,7 +166,7 @@ class PQIndex:
         new user turn) gets its own K-Means, every `rebuild_every` decoded tokens everything is re-clustered."""
         Q = k_new.shape[2]
         if self.segments:
-            self.set_codes(start, start + Q, self.encode(k_new))
+            self.set_codes(start, start + Q, *self.encode(k_new))
         self.appended(start, Q)
 
     def appended(self, start: int, Q: int):
@@ -180,8 +180,9 @@ class PQIndex:
             if cfg.rebuild_every and self.generated % cfg.rebuild_every == 0:
                 self.submit(0, self.host.S, kind="rebuild")
 
-    def encode(self, keys: torch.Tensor) -> torch.Tensor:
-        """Codes (B, H, m, n) of keys (B, H, n, D) under the newest segment's codebook (and rotation)."""
+    def encode(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Codes (B, H, m, n) of keys (B, H, n, D) under the newest segment's codebook (and rotation), and their
+        residuals (B, H, n)."""
         start, cents = self.segments[-1]
         return _encode(self.rotate(keys, start), cents, self.config.metric, self.half_norms())
 
@@ -274,10 +275,15 @@ def train(index: PQIndex, start: int, end: int, iters: int, kind: str) -> dict:
     }
 
 
-def _encode(keys: torch.Tensor, cents: torch.Tensor, metric: str, half_norms: torch.Tensor) -> torch.Tensor:
-    """pq.encode; a decode step's one key in pq_codes.c where it runs (0.17 ms a layer less, Zen 3)."""
+def _encode(keys: torch.Tensor, cents: torch.Tensor, metric: str, half_norms: torch.Tensor) -> tuple:
+    """pq.encode and the keys' residuals ||k - k_hat|| -> (codes (B, H, m, n), residuals (B, H, n)); a decode step's
+    one key in pq_codes.c where it runs (0.17 ms a layer less, Zen 3), as the fused step codes the key it files."""
     if keys.shape[2] != 1 or not native_select.usable(cents, 1):
-        return pq.encode(keys, cents, metric, half_norms)
+        codes = pq.encode(keys, cents, metric, half_norms)
+        return codes, (keys.float() - pq.reconstruct(codes, cents)).norm(dim=-1)
     codes = torch.empty(keys.shape[:2] + cents.shape[2:3] + (1,), dtype=torch.uint8, device=keys.device)
-    native_select.encode_one(keys.float(), cents, None if metric == "ip" else half_norms, codes[..., 0])
-    return codes
+    residuals = torch.empty(keys.shape[:3], dtype=torch.float32, device=keys.device)
+    native_select.encode_one(
+        keys.float(), cents, None if metric == "ip" else half_norms, codes[..., 0], residuals[..., 0]
+    )
+    return codes, residuals
