@@ -262,19 +262,22 @@ static void combined_top_by_code(const float *tables, int64_t C, int64_t R, cons
    over every candidate's scores, *e (R, n) = exp(score - top[r]) over the candidates (0 elsewhere) and top (R,)
    (*e NULL otherwise: the raw sum, one sub-space combined per code, whose *scores is NULL too, or a margin).
    row_scale (R,) and residuals (n,), where not NULL: the combine and top-k rank score + row_scale[r] x residuals[t]
-   (methods/pqcache.spreads), *scores keeps the PQ scores alone. */
+   (methods/pqcache.spreads), *scores keeps the PQ scores alone. rows and e may be NULL: nothing is kept for them (with
+   a margin, the PQ scores alone are then not stored at all: half the rows' memory traffic). */
 int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
                    int64_t n, const uint8_t *cand, int sum_mode, int64_t k, const float *row_scale,
                    const float *residuals, int64_t *pos, const float **rows, const float **e, float *top) {
-  int64_t ranked_floats = residuals != NULL ? R * n : 0;
+  int keep = residuals != NULL && rows != NULL; /* the PQ scores alone, beside the ranked ones */
+  int64_t ranked_floats = keep ? R * n : 0;
   float *scores = R <= MAX_ROWS ? workspace(SEARCH, (size_t)(R * n + ranked_floats) + work_floats(n, R)) : NULL;
-  *rows = *e = NULL;
+  if (rows) *rows = NULL;
+  if (e) *e = NULL;
   if (scores == NULL) return -1;
   if (m == 1 && C <= 256 && n >= 2 * C && residuals == NULL) { /* fewer codes than tokens: per code */
     combined_top_by_code(tables, C, R, codes, n, cand, sum_mode, k, scores, pos);
     return 0;
   }
-  float *ranked = residuals != NULL ? scores + R * n : scores;
+  float *ranked = keep ? scores + R * n : scores;
 #pragma omp parallel for schedule(static) if (n >= 4 * BLOCK)
   for (int64_t t = 0; t < n; t++) {
     float row[MAX_ROWS];
@@ -292,14 +295,17 @@ int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const u
       for (int64_t j = 1; j < m; j++) sum += tables[(j * C + codes[j * code_stride + t]) * R + r];
       row[r] = sum;
     }
-    for (r = 0; r < R; r++) scores[r * n + t] = row[r];
+    if (keep)
+      for (r = 0; r < R; r++) scores[r * n + t] = row[r];
     if (residuals != NULL)
       for (r = 0; r < R; r++) ranked[r * n + t] = row[r] + row_scale[r] * residuals[t];
+    else
+      for (r = 0; r < R; r++) scores[r * n + t] = row[r];
   }
   float *work = scores + R * n + ranked_floats;
   combined_top_of(ranked, n, R, cand, sum_mode, k, work, pos, top);
-  *rows = scores;
-  *e = sum_mode || residuals != NULL ? NULL : work;
+  if (rows) *rows = scores;
+  if (e) *e = sum_mode || residuals != NULL ? NULL : work;
   return 0;
 }
 
@@ -309,8 +315,7 @@ int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const u
 int pq_search(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
               int64_t n, const uint8_t *cand, int sum_mode, int64_t k, const float *row_scale, const float *residuals,
               int64_t *pos) {
-  const float *scores, *e;
   float top[MAX_ROWS];
-  return pq_search_rows(tables, m, C, R, codes, code_stride, n, cand, sum_mode, k, row_scale, residuals, pos, &scores,
-                        &e, top);
+  return pq_search_rows(tables, m, C, R, codes, code_stride, n, cand, sum_mode, k, row_scale, residuals, pos, NULL,
+                        NULL, top);
 }

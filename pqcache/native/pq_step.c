@@ -373,11 +373,11 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     const float *key = T ? k_new + c * D : NULL, *norms = half_norm ? half_norm + c * m * C : NULL;
     pq_tables_codes(qc, G, X->centroids + c * m * C * d, m, C, d, tables, key, norms, X->codes + c * X->code_head + t,
                     X->code_sub, residual_at(X, c, t)); /* t >= n: the search does not read the new codes */
-    Searched found;
+    Searched found = {NULL, NULL, NULL}; /* what completion reads: kept only under completion */
     const float *scale = row_scale ? row_scale + c * G : NULL;
     const float *residuals = row_scale ? X->residuals + c * X->residual_head : NULL;
     failed = pq_search_rows(tables, m, C, G, X->codes + c * X->code_head, X->code_sub, n, cand, sum_mode, wide, scale,
-                            residuals, top, &found.rows, &found.e, searched_top);
+                            residuals, top, sums ? &found.rows : NULL, sums ? &found.e : NULL, searched_top);
     found.top = searched_top;
     if (failed) break;
     head_scores(S, c, top, wide, qc, G, D, local, exact);
