@@ -164,6 +164,11 @@ def wide_rule(w: dict) -> str:
         rule += f", raised to the floor of {w['rerank_min']} tokens"
     if w["n_wide"] < max(times, w["rerank_min"] if w["rerank"] > 1 else 0):
         rule += f", cut to the {w['n_wide']} candidates there are"
+    if w.get("margin"):
+        rule += (
+            f"; each PQ score raised by {w['margin']:g} x its spread, from how far its key is from its codes, so "
+            "that the keys the codes describe worst get their chance"
+        )
     return rule
 
 

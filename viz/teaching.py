@@ -192,7 +192,8 @@ def search(w: dict) -> go.Figure:
         if w["combine"] == "softmax_sum"
         else "q . k summed over the query heads"
     )
-    fig.update_xaxes(type=axis, title=f"approximate score from the codes ({unit})")
+    widened = ", each PQ score plus its margin" if w.get("margin") else ""
+    fig.update_xaxes(type=axis, title=f"approximate score from the codes{widened} ({unit})")
     fig.update_yaxes(type=axis, title="exact score")
     return layout(
         fig,

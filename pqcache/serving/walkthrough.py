@@ -26,7 +26,7 @@ import torch
 
 from pqcache.engine import pq
 from pqcache.engine.methods.base import combine_rows
-from pqcache.engine.methods.pqcache import PQCacheMethod, approx_scores
+from pqcache.engine.methods.pqcache import PQCacheMethod, approx_scores, first_stage_margin, spreads
 
 
 @dataclass
@@ -61,6 +61,10 @@ def snapshot(view, q, top, valid, wide) -> dict:
     cand = view.candidates[:1]
     qf = q[:1].float()
     approx = approx_scores(index, q)[:1]  # (1, H, S, R)
+    margin = first_stage_margin(cfg)
+    if margin:  # what the first stage ranked: each PQ score raised by its margin (methods/pqcache.spreads)
+        row_scale, residuals = spreads(index, q[:1], margin)
+        approx = approx + residuals[:1, :, :S, None] * row_scale[:, :, None, :]
     exact = (view.keys()[:1] @ qf.transpose(-1, -2)).float()  # (1, H, S, R)
     start, cents = index.segments[0]
     keys = view.keys()[:1]
@@ -171,6 +175,7 @@ def describe(snap: dict, focus: list[int], head: int = 0) -> dict:
         "rerank": cfg.rerank,
         "rerank_min": cfg.rerank_min_tokens,
         "combine": cfg.gqa_combine,
+        "margin": first_stage_margin(cfg),
         "n_sinks": int(sum(1 for p in on_device if p < window_lo)),
         "window": [window_lo, S],
         "codebook": {"subspace": j, "centroids": xy_c.tolist(), "tokens": tokens},

@@ -165,3 +165,26 @@ def test_a_margin_changes_the_picks_of_a_rerank(arch):
         picks.append([layer.last_selection[0].tolist() for layer in cache.pq_layers])
         cache.close()
     assert picks[0] != picks[1]
+
+
+@pytest.mark.parametrize("margin", [0.0, 3.0])
+def test_the_teaching_pictures_search_shows_what_the_first_stage_ranked(margin):
+    """The Teaching tab's search picture (serving/walkthrough.py): the PQ stage's candidates lie right of its
+    threshold and the others left of it, on the scores the first stage ranked (with the margin where it applies)."""
+    from pqcache.serving.walkthrough import StepRecorder
+
+    model = tiny_model("llama")
+    recorder = StepRecorder()
+    cfg = PQCacheConfig(search_margin=margin, **SMALL)
+    ids = torch.randint(1, 96, (1, 300), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        cache = PQCache(model, cfg, method=recorder)
+        greedy_generate(model, ids, cache, n=3)
+    w = recorder.describe()
+    cache.close()
+    assert w["margin"] == margin
+    search, threshold = w["search"], w["search"]["thresholds"]["approx"]
+    kept = [a for a, kind in zip(search["approx"], search["kind"], strict=True) if kind > 0]
+    left = [a for a, kind in zip(search["approx"], search["kind"], strict=True) if kind == 0]
+    assert kept and left and min(kept) == threshold
+    assert max(left) <= threshold  # ties at the threshold go to the earliest positions
