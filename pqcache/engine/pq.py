@@ -104,6 +104,12 @@ def reconstruct(codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     return parts.permute(0, 1, 3, 2, 4).reshape(B, H, S, m * d)
 
 
+def residual_norms(keys: torch.Tensor, codes: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
+    """keys (B, H, S, m*d) as the codebook sees them, their codes (B, H, m, S) -> ||k - k_hat|| (B, H, S) float32:
+    how far each key is from the key its codes give (the first stage's margin, methods/pqcache.spreads)."""
+    return (keys.float() - reconstruct(codes, centroids)).norm(dim=-1)
+
+
 def lookup_tables(q: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
     """q (B, H, R, D), centroids (B, H, m, C, d) -> tables (B, H, m, C, R): q_sub . centroid."""
     B, H, R, D = q.shape

@@ -37,8 +37,12 @@ void pq_tables_codes(const float *q, int64_t R, const float *centroids, int64_t 
     }
     if (!key) continue;
     codes[j * stride] = (uint8_t)best;
+    if (!residual) continue;
     const float *centroid = centroids + (j * C + best) * d;
-    for (int64_t i = 0; i < d; i++) squared += (key[j * d + i] - centroid[i]) * (key[j * d + i] - centroid[i]);
+    for (int64_t i = 0; i < d; i++) {
+      float diff = key[j * d + i] - centroid[i];
+      squared += diff * diff;
+    }
   }
   if (key && residual) *residual = sqrtf(squared);
 }

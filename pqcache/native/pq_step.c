@@ -28,8 +28,7 @@ void pq_tables_codes(const float *q, int64_t R, const float *centroids, int64_t 
                      const float *key, const float *half_norm, uint8_t *codes, int64_t stride, float *residual);
 int pq_search_rows(const float *tables, int64_t m, int64_t C, int64_t R, const uint8_t *codes, int64_t code_stride,
                    int64_t n, const uint8_t *cand, int sum_mode, int64_t k, const float *row_scale,
-                   const float *residuals, int64_t *pos, const float **rows,
-                   const float **e, float *top);
+                   const float *residuals, int64_t *pos, const float **rows, const float **e, float *top);
 void gather_dot(const void *keys, int kind, int64_t stride, const int64_t *pos, int64_t n, const float *q, int64_t R,
                 int64_t D, float *out);
 int combine_top(const float *scores, int64_t n, int64_t R, const uint8_t *cand, int sum_mode, int64_t k,
@@ -343,9 +342,9 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
    memory (or with more than 64 query rows a KV head under completion). */
 int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, const Index *X, const uint8_t *cand,
             int64_t n, int sum_mode, int64_t wide, int64_t k, const float *row_scale, const Stores *S, void *wk,
-            void *wv, int64_t w_kind,
-            int64_t head_stride, int64_t n_slots, int64_t *pos, float *out, const float *k_new, const float *v_new,
-            const float *half_norm, int64_t t, const Token *T, float *sums, float *counts) {
+            void *wv, int64_t w_kind, int64_t head_stride, int64_t n_slots, int64_t *pos, float *out,
+            const float *k_new, const float *v_new, const float *half_norm, int64_t t, const Token *T, float *sums,
+            float *counts) {
   int64_t G = Hq / Hk, m = X->m, C = X->C, d = D / X->m;
   float searched_top[16]; /* pq_select.c's MAX_ROWS: it refuses more rows */
   float *qs = malloc(sizeof(float) * Hq * D), *tables = malloc(sizeof(float) * m * C * G);

@@ -26,7 +26,7 @@ import torch
 
 from pqcache.engine import pq
 from pqcache.engine.methods.base import combine_rows
-from pqcache.engine.methods.pqcache import PQCacheMethod, approx_scores, first_stage_margin, spreads
+from pqcache.engine.methods.pqcache import PQCacheMethod, approx_scores, first_stage_margin, spreads, widen
 
 
 @dataclass
@@ -64,7 +64,7 @@ def snapshot(view, q, top, valid, wide) -> dict:
     margin = first_stage_margin(cfg)
     if margin:  # what the first stage ranked: each PQ score raised by its margin (methods/pqcache.spreads)
         row_scale, residuals = spreads(index, q[:1], margin)
-        approx = approx + residuals[:1, :, :S, None] * row_scale[:, :, None, :]
+        approx = widen(approx.clone(), (row_scale, residuals[:1]))
     exact = (view.keys()[:1] @ qf.transpose(-1, -2)).float()  # (1, H, S, R)
     start, cents = index.segments[0]
     keys = view.keys()[:1]

@@ -116,10 +116,7 @@ def search(index: PQIndex, q: torch.Tensor, cand: torch.Tensor, ks: list[int], m
     if widened is None and _by_tuples(index):  # a margin makes a token's score its own, not its tuple's
         return select_by_tuples(index, q, cand, ks, k_max, mode)
     scores = approx_scores(index, q)  # (B, H, S, R)
-    if widened is not None:
-        row_scale, residuals = widened
-        scores += residuals[..., : scores.shape[2], None] * row_scale[:, :, None, :]
-    return select_top(scores, cand, ks, k_max, mode)
+    return select_top(widen(scores, widened), cand, ks, k_max, mode)
 
 
 def first_stage_margin(config) -> float:
@@ -134,6 +131,14 @@ def spreads(index: PQIndex, q: torch.Tensor, margin: float) -> tuple:
     preferred direction. q (B, H, R, D) scaled -> (row_scale (B, H, R) float32, the index's residuals (B, H, S'))."""
     row_scale = q.float().norm(dim=-1) * (margin / q.shape[-1] ** 0.5)
     return row_scale, index.residuals
+
+
+def widen(scores: torch.Tensor, widened: tuple | None) -> torch.Tensor:
+    """PQ scores (B, H, S, R), in place, raised by spreads' margin (widened = its result; None: as they are)."""
+    if widened is not None:
+        row_scale, residuals = widened
+        scores += residuals[..., : scores.shape[2], None] * row_scale[:, :, None, :]
+    return scores
 
 
 def _by_tuples(index: PQIndex) -> bool:
