@@ -67,8 +67,9 @@ class PQCacheConfig:
     rerank: int = setting(4, "exact re-rank of rerank x k PQ candidates (1: PQ scores alone)")
     # With a re-rank, the first stage ranks a token by its PQ score plus search_margin x the spread of that score,
     # ||q|| ||k - k_hat|| / sqrt(D) (k_hat: the key as its codes give it): the keys PQ represents worst, often the
-    # rare tokens a question asks about, reach the exact re-rank instead of being ranked below it (docs/results.md:
-    # the exact top-8 held by 1,024 candidates at 4K-6K tokens, 0.95 without, 0.97 with 0.5). 0: the paper's ranking.
+    # rare tokens a question asks about, reach the exact re-rank instead of being ranked below it (docs/results.md,
+    # "The first stage's margin": a needle's digits ranked past the re-rank's 1,024 candidates). 0: the paper's
+    # ranking.
     search_margin: float = setting(
         0.5, "first-stage candidates ranked by PQ score + this many spreads of it (0: PQ score alone)"
     )
