@@ -94,6 +94,22 @@ def settings(page, open_: bool):
         page.locator("#settings .label-wrap").click()
 
 
+def typed(page, label: str, value: str):
+    """Type `value` into the Settings field `label` and leave once it holds it: the field mounts when the accordion
+    first opens, and a value typed in the same frame can be overwritten by the mount (seen in CI: a window of 5000
+    typed, the load ran with the default). Each try waits two frames before it reads the field back."""
+    settings(page, True)
+    field = page.get_by_label(label)
+    for _attempt in range(3):
+        field.fill(value)
+        field.press("Tab")
+        page.evaluate("() => new Promise(done => requestAnimationFrame(() => requestAnimationFrame(done)))")
+        if field.input_value() == value:
+            break
+    assert field.input_value() == value, f"{label!r} did not keep {value!r}"
+    settings(page, False)
+
+
 def max_new_tokens(page, n: int):
     """Type n into the slider's number box; again if the page re-rendered the slider before it took (seen in CI)."""
     from playwright.sync_api import TimeoutError
@@ -357,11 +373,7 @@ def test_8_bad_input_walk_keeps_the_document_and_says_what_is_wrong(browser, app
     opened(page, app_url)  # the page's opening events answered: a setting typed now is not reset by them
     # any file is taken, and a wrong one is said at Load (a picker's filter drops a dropped .png without a word)
     assert not page.locator("input[type=file]").get_attribute("accept")
-    settings(page, True)
-    window = page.get_by_label("window (0: half the budget)")
-    window.fill("5000")
-    window.press("Tab")
-    settings(page, False)
+    typed(page, "window (0: half the budget)", "5000")
     page.locator("#sample").click()
     page.wait_for_selector("#doc-status >> text=the active document", timeout=240_000)
     assert "this is full attention" in page.locator("#doc-status").inner_text()  # said, not silent
