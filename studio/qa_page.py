@@ -97,7 +97,7 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
                     )
                 with gr.Row():
                     n_init = gr.Number(d.n_init, label=LABELS["n_init"], precision=0)
-                    n_local = gr.Number(d.n_local, label=f"{LABELS['n_local']} (0: half the budget)", precision=0)
+                    n_local = gr.Number(d.n_local, label=f"{LABELS['n_local']} (0: from the budget)", precision=0)
                 with gr.Row():
                     policy = gr.Radio(list(POLICIES), value=d.policy, label=LABELS["cache_policy"])
                     capacity = gr.Number(d.capacity, label=LABELS["block_cache_tokens"], precision=0)

@@ -9,6 +9,7 @@ from pqcache.engine.errors import PQCacheConfigError
 from pqcache.engine.kernels import Kernels
 
 DEVICE_BLOCK_CACHE_TOKENS = 1024  # the block cache's capacity where block_cache_tokens is None, on an accelerator
+MASS_WINDOW_TOKENS = 32  # mass_window_tokens' default: an unset window's most tokens under a budget in mass
 KV_DTYPES = ("auto", "model", "float32", "float16", "bfloat16")  # kv_dtype's choices
 
 
@@ -45,9 +46,12 @@ class PQCacheConfig:
     )
     n_init: int = setting(32, "attention-sink tokens, always attended (kept on the device)", "sink tokens")
     # Recent window kept exactly on the device. None: `local_ratio` of what the budget leaves after
-    # the sinks (official code: half local, half top-k).
+    # the sinks (official code: half local, half top-k), at most `mass_window_tokens` under a budget in mass.
     n_local: int | None = setting(
-        None, "recent tokens always attended (default: half of what the budget leaves after the sinks)", "window"
+        None,
+        "recent tokens always attended (default: half of what the budget leaves after the sinks; "
+        f"at most {MASS_WINDOW_TOKENS} with --mass)",
+        "window",
     )
     local_ratio: float = 0.5
     # K-Means iterations: an int, or "auto" for the adaptive count of the calibration fit.
@@ -83,6 +87,11 @@ class PQCacheConfig:
         "attention share to hold",
     )
     mass_floor_tokens: int = 16
+    # Under a budget in mass an unset window takes at most this many tokens, and the picks the rest of the ceiling:
+    # the window is attended whatever the mass says, so a window of half the budget kept every step's tokens above
+    # 60% of the fixed budget's; the mass decides how many of the picks are attended (docs/results.md, the budget
+    # sweep: at 1/10, mass 0.85 held the needles' score with a third of the tokens).
+    mass_window_tokens: int = MASS_WINDOW_TOKENS
     # Completion (engine/completion.py): the unselected middle tokens' share of the softmax estimated from their
     # PQ scores and a mean value per code, merged with the exact attention over the selection by log-sum-exp.
     completion: bool = setting(
@@ -203,14 +212,16 @@ class PQCacheConfig:
     def split(self, context_len: int) -> tuple[int, int, int]:
         """(n_init, n_topk, n_local) for a context of `context_len` tokens. The sinks take at most a quarter of the
         budget, unless they cover the whole context (a sink count past the document reads all of it); a set window
-        is kept as asked, past the budget if need be; an unset one is local_ratio of what the sinks leave; the top-k
-        part gets the rest."""
+        is kept as asked, past the budget if need be; an unset one is local_ratio of what the sinks leave, at most
+        mass_window_tokens under a budget in mass; the top-k part gets the rest."""
         budget = self.budget_tokens(context_len)
         n_init = self.sinks(budget, context_len)
         if self.n_local is not None:
             n_local = self.n_local
         else:
             n_local = max(1, round((budget - n_init) * self.local_ratio))
+            if self.mass is not None:
+                n_local = min(n_local, self.mass_window_tokens)
         n_topk = max(0, budget - n_init - n_local)
         return n_init, n_topk, n_local
 
@@ -283,6 +294,8 @@ def config_errors(config: PQCacheConfig) -> list[str]:
         errors.append(f"mass must be None or a share of the attention in (0, 1], got {m!r}")
     if not _is_int(config.mass_floor_tokens) or config.mass_floor_tokens < 0:
         errors.append(f"mass_floor_tokens must be an int >= 0, got {config.mass_floor_tokens!r}")
+    if not _is_int(config.mass_window_tokens) or config.mass_window_tokens < 1:
+        errors.append(f"mass_window_tokens must be an int >= 1, got {config.mass_window_tokens!r}")
     if not isinstance(config.completion, bool):
         errors.append(f"completion must be True or False, got {config.completion!r}")
     sm = config.search_margin

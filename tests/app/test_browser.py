@@ -373,7 +373,7 @@ def test_8_bad_input_walk_keeps_the_document_and_says_what_is_wrong(browser, app
     opened(page, app_url)  # the page's opening events answered: a setting typed now is not reset by them
     # any file is taken, and a wrong one is said at Load (a picker's filter drops a dropped .png without a word)
     assert not page.locator("input[type=file]").get_attribute("accept")
-    typed(page, "window (0: half the budget)", "5000")
+    typed(page, "window (0: from the budget)", "5000")
     page.locator("#sample").click()
     page.wait_for_selector("#doc-status >> text=the active document", timeout=240_000)
     assert "this is full attention" in page.locator("#doc-status").inner_text()  # said, not silent

@@ -203,6 +203,7 @@ def test_mass_cut_keeps_the_fewest_picks_that_reach_the_target_and_the_floor():
         ({"mass": 1.5}, "mass must be None or a share"),
         ({"mass": True}, "mass must be None or a share"),
         ({"mass_floor_tokens": -1}, "mass_floor_tokens must be an int >= 0"),
+        ({"mass_window_tokens": 0}, "mass_window_tokens must be an int >= 1"),
         ({"completion": "yes"}, "completion must be True or False, got 'yes'"),
     ],
 )
@@ -224,6 +225,32 @@ def test_budgets_of_four_times_the_sinks_split_as_before():
     for context in (1280, 4000, 32_000):
         n_init, n_topk, n_local = PQCacheConfig(token_budget=0.1).split(context)
         assert n_init == PQCacheConfig().n_init and n_topk + n_local == context // 10 - n_init
+
+
+def test_a_budget_in_mass_gives_an_unset_window_a_few_tokens_and_the_picks_the_rest():
+    """Under a budget in mass an unset window is at most mass_window_tokens and the picks get the rest of the
+    ceiling (the mass then decides how many are attended); a set window is kept, and a small budget's window is
+    the fixed split's (already smaller)."""
+    few = PQCacheConfig.mass_window_tokens
+    for context in (1500, 4000, 32_000):
+        fixed = PQCacheConfig(token_budget=0.1).split(context)
+        n_init, n_topk, n_local = PQCacheConfig(token_budget=0.1, mass=0.9).split(context)
+        assert n_local == min(fixed[2], few) and n_init == fixed[0] and n_init + n_topk + n_local == sum(fixed)
+        assert PQCacheConfig(token_budget=0.1, mass=0.9, n_local=200).split(context)[2] == 200
+    assert PQCacheConfig(token_budget=0.005, mass=0.9).split(1500) == PQCacheConfig(token_budget=0.005).split(1500)
+
+
+def test_a_budget_in_mass_attends_fewer_tokens_than_the_fixed_splits_window():
+    """With the window left unset, a flat random model's mass budget attends fewer tokens a step than the fixed
+    budget's sinks and window alone: the window no longer takes half of the ceiling whatever the mass says."""
+    model, ids = tiny_model("llama"), _ids(300)
+    settings = dict(token_budget=0.5, n_init=4, kmeans_iters=5, bits=4)
+    with torch.no_grad():
+        cache = PQCache(model, PQCacheConfig(**settings, mass=0.05))
+        greedy_generate(model, ids, cache, n=4)
+    n_init, _, n_local = PQCacheConfig(**settings).split(300)
+    assert cache.attended_per_step() < n_init + n_local
+    cache.close()
 
 
 def test_the_command_line_sets_mass_and_completion():
