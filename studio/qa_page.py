@@ -108,7 +108,7 @@ def build_qa_tab(tab: QATab, methods: list[str]) -> tuple:
                     )
                     too_long = gr.Radio(TOO_LONG, value=d.too_long, label="a document longer than the model reads")
                 with gr.Row():  # the selection sized by attention mass, and the rest estimated (engine/mass.py)
-                    held = f"{LABELS['mass']} (0: the budget's top-k; 0.95: the fewest picks holding 95%)"
+                    held = f"{LABELS['mass']} (0: the budget's top-k; 0.85: the fewest picks holding 85%)"
                     mass = gr.Number(d.mass, label=held)
                     completion = gr.Checkbox(d.completion, label=f"{LABELS['completion']} (from their PQ codes)")
             with gr.Row():
