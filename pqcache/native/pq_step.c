@@ -192,8 +192,8 @@ typedef struct {
   const float *rows, *e, *top;
 } Searched;
 
-/* the candidates' weights exp(score + offset - best) (G per token) summed by cell into cells (m C, G) and over the
-   tokens into z (G,), tokens [t0, t1) that are candidates and not marked. From the search's exponentials where it
+/* the candidates' weights exp(score + offset - best) (G per token) summed by cell into cells (m C, G; NULL: only z)
+   and over the tokens into z (G,), tokens [t0, t1) that are candidates and not marked. From the search's exponentials where it
    kept them (scale: exp(top + offset - best), so no exponential is taken here), else from its scores where it kept
    them, else from the codes. */
 static void weigh_candidates(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand,
@@ -209,7 +209,7 @@ static void weigh_candidates(const float *tables, const Index *X, const uint8_t 
           w[g] = found->e[g * n + t] * scale[g];
           sum[g] += w[g];
         }
-        add_to_cells(cells, X, codes, t, G, w);
+        if (cells) add_to_cells(cells, X, codes, t, G, w);
       }
   } else {
     for (int64_t t = t0; t < t1; t++)
@@ -225,7 +225,7 @@ static void weigh_candidates(const float *tables, const Index *X, const uint8_t 
     for (int64_t i = 0; i < count * G; i++) sc[i] = exp_nonpositive(sc[i]); /* vectorized */
     for (int64_t c = 0; c < count; c++) {
       for (int64_t g = 0; g < G; g++) sum[g] += sc[c * G + g];
-      add_to_cells(cells, X, codes, who[c], G, sc + c * G);
+      if (cells) add_to_cells(cells, X, codes, who[c], G, sc + c * G);
     }
   }
   for (int64_t g = 0; g < G; g++) z[g] += sum[g];
@@ -236,14 +236,15 @@ static void weigh_candidates(const float *tables, const Index *X, const uint8_t 
    scores exactly, another its PQ score shifted by the calibration offset (engine/mass.py: the exact scores'
    log-sum-exp over the re-rank's candidates less their PQ scores'); its value is the mean over the sub-spaces of its
    cells' mean values (sums (m C, D) each cell's values summed, counts (m C,) how many: a mean is sums over at
-   least 1). picked: the k of top taken (idx). -> lse (G,) the part's log-sum-exp (-inf
-   where no token is left out) and out (G, D) its output, normalised over the part. mark: n bytes of scratch. The same
+   least 1). picked: the k of top taken (idx), those of kept (k,; NULL: all) attended, the others estimated. -> lse
+   (G,) the part's log-sum-exp (-inf where no token is left out) and, where sums is not NULL, out (G, D) its output,
+   normalised over the part (sums NULL: the log-sum-exp alone, for the budget in mass). mark: n bytes of scratch. The same
    arithmetic as completion.unselected_part, summed in another order (and split between the threads from
    COMPLETE_SPLIT candidates on: each its own cells, added in thread order). 0, or -1 without scratch memory. */
 static int unselected_part(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand, int64_t n,
                            const Searched *found, const int64_t *top, const float *exact, int64_t wide,
-                           const int64_t *idx, int64_t k, int64_t G, const float *sums, const float *counts,
-                           int64_t D, uint8_t *mark, float *lse, float *out) {
+                           const int64_t *idx, const uint8_t *kept, int64_t k, int64_t G, const float *sums,
+                           const float *counts, int64_t D, uint8_t *mark, float *lse, float *out) {
   int64_t m = X->m, P = m * X->C;
   int threads = n >= COMPLETE_SPLIT ? omp_get_max_threads() : 1;
   float *cells = calloc((size_t)threads * P * G, sizeof(float)); /* each thread's (m C, G) sums */
@@ -258,7 +259,8 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
   }
   memset(mark, 0, n);
   for (int64_t i = 0; i < wide; i++) mark[top[i]] = 1; /* known: scored exactly */
-  for (int64_t i = 0; i < k; i++) mark[top[idx[i]]] = 2; /* picked: attended, not estimated */
+  for (int64_t i = 0; i < k; i++) /* picked: attended, not estimated (a pick the mass left out: known) */
+    mark[top[idx[i]]] = kept == NULL || kept[i] ? 2 : 1;
   float offset[64] = {0}, zero[64] = {0}, emax[64], best[64], scale[64], w[64];
   for (int64_t i = 0; i < wide; i++) /* the re-rank's candidates' PQ scores, then the offset */
     if (found->rows != NULL)
@@ -294,7 +296,7 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
         w[g] = known[i * G + g] * emax[g];
         z[g] += w[g];
       }
-      add_to_cells(cells, X, codes, top[i], G, w);
+      if (sums) add_to_cells(cells, X, codes, top[i], G, w);
     }
   int64_t per_block = COMPLETE_BLOCK / G; /* tokens a block: their scores, then one loop of exponentials */
 #pragma omp parallel num_threads(threads)
@@ -303,7 +305,7 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
 #pragma omp for schedule(static)
     for (int64_t t0 = 0; t0 < n; t0 += per_block)
       weigh_candidates(tables, X, codes, cand, mark, n, t0, t0 + per_block < n ? t0 + per_block : n, G, found,
-                       offset, best, scale, cells + (int64_t)th * P * G, z + th * G);
+                       offset, best, scale, sums ? cells + (int64_t)th * P * G : NULL, z + th * G);
   }
   for (int th = 1; th < threads; th++) { /* the threads' sums, in thread order */
     for (int64_t i = 0; i < P * G; i++) cells[i] += cells[(int64_t)th * P * G + i];
@@ -314,8 +316,8 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
     lse[g] = z[g] == 0.0 ? -INFINITY : best[g] + (float)log(z[g]);
     inverse[g] = z[g] == 0.0 ? 0.0f : (float)(1.0 / (z[g] * m));
   }
-  memset(out, 0, sizeof(float) * G * D);
-  for (int64_t c = 0; c < P; c++) { /* each cell's values read once for the G rows */
+  if (sums) memset(out, 0, sizeof(float) * G * D);
+  for (int64_t c = 0; sums && c < P; c++) { /* each cell's values read once for the G rows */
     float per_token = 1.0f / (counts[c] > 1.0f ? counts[c] : 1.0f);
     for (int64_t g = 0; g < G; g++) {
       float wc = cells[c * G + g] * inverse[g] * per_token, *o = out + g * D;
@@ -330,6 +332,54 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
   return 0;
 }
 
+/* A pick and its estimated share, ordered by share, larger first, then by pick (mass.mass_cut's stable sort) */
+typedef struct {
+  double share;
+  int64_t i;
+} Share;
+
+static int by_share(const void *a, const void *b) {
+  const Share *x = a, *y = b;
+  if (x->share != y->share) return x->share < y->share ? 1 : -1;
+  return x->i < y->i ? -1 : x->i > y->i;
+}
+
+/* The budget in mass (methods/estimate.estimate_and_cut, mass.mass_cut) for one KV head: each token's share of the
+   step's softmax over the stored tokens, from the sinks' and window's exact scores (fixed (n_fixed, G)), the picks'
+   exact scores (exact at idx), and the rest's log-sum-exp (rest_lse (G,): the re-rank's other candidates exact,
+   the others by calibrated PQ score: unselected_part), averaged over the G query rows; then the picks by share,
+   each kept while the share held before it (the sinks' and window's first) is short of target, at least `floor`
+   of them -> kept (k,) 1 or 0. 0, or -1 without scratch memory. */
+static int cut_by_mass(const float *fixed, int64_t n_fixed, const float *exact, const int64_t *idx, int64_t k,
+                       const float *rest_lse, int64_t G, float target, int64_t floor, uint8_t *kept) {
+  Share *order = malloc(sizeof(Share) * (k > 0 ? k : 1));
+  if (order == NULL) return -1;
+  double top[64], z[64], base = 0.0;
+  for (int64_t g = 0; g < G; g++) { /* the largest score of each row: the sums below are of exp(s - top) */
+    top[g] = rest_lse[g];
+    for (int64_t j = 0; j < n_fixed; j++) top[g] = fixed[j * G + g] > top[g] ? fixed[j * G + g] : top[g];
+    for (int64_t i = 0; i < k; i++) top[g] = exact[idx[i] * G + g] > top[g] ? exact[idx[i] * G + g] : top[g];
+    z[g] = rest_lse[g] == -INFINITY ? 0.0 : exp(rest_lse[g] - top[g]);
+    for (int64_t j = 0; j < n_fixed; j++) z[g] += exp(fixed[j * G + g] - top[g]);
+    for (int64_t i = 0; i < k; i++) z[g] += exp(exact[idx[i] * G + g] - top[g]);
+  }
+  for (int64_t j = 0; j < n_fixed; j++)
+    for (int64_t g = 0; g < G; g++) base += exp(fixed[j * G + g] - top[g]) / z[g] / G;
+  for (int64_t i = 0; i < k; i++) {
+    order[i].i = i;
+    order[i].share = 0.0;
+    for (int64_t g = 0; g < G; g++) order[i].share += exp(exact[idx[i] * G + g] - top[g]) / z[g] / G;
+  }
+  qsort(order, k, sizeof(Share), by_share);
+  double held = base;
+  for (int64_t r = 0; r < k; r++) {
+    kept[order[r].i] = held < target || r < floor;
+    held += order[r].share;
+  }
+  free(order);
+  return 0;
+}
+
 /* q (Hq, D) the token's query rows (unscaled); cand (n,) the candidates among tokens 0..n-1; the window's keys and
    values wk, wv (Hk heads of head_stride elements of w_kind, its first n_slots rows attended: sinks, ring, the new
    token, whose k_new, v_new (Hk, D) float32 this call writes into the last slot) -> pos (Hk, k) the picks in
@@ -338,13 +388,15 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
    the token it replaces. Where sums is not NULL (Hk, m C, D: each PQ cell's values summed, counts (Hk, m C) how
    many: completion.ValueMeans), the candidates left out are estimated and merged in by log-sum-exp (completion:
    unselected_part), and a token filed here has its value summed into its cells. row_scale (Hq,), where not NULL:
-   the search ranks by the PQ score + row_scale x the token's residual (pq_search_rows). 0, or -1 without scratch
-   memory (or with more than 64 query rows a KV head under completion). */
+   the search ranks by the PQ score + row_scale x the token's residual (pq_search_rows). mass in (0, 1): a budget in
+   mass (cut_by_mass, at least mass_floor picks), the picks kept written to kept (Hk, k) and the others left out of
+   the attention (estimated, under completion); else every pick is attended. 0, or -1 without scratch memory (or
+   with more than 64 query rows a KV head under completion or a budget in mass). */
 int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, const Index *X, const uint8_t *cand,
             int64_t n, int sum_mode, int64_t wide, int64_t k, const float *row_scale, const Stores *S, void *wk,
             void *wv, int64_t w_kind, int64_t head_stride, int64_t n_slots, int64_t *pos, float *out,
             const float *k_new, const float *v_new, const float *half_norm, int64_t t, const Token *T, float *sums,
-            float *counts) {
+            float *counts, float mass, int64_t mass_floor, uint8_t *kept) {
   int64_t G = Hq / Hk, m = X->m, C = X->C, d = D / X->m;
   float searched_top[16]; /* pq_select.c's MAX_ROWS: it refuses more rows */
   float *qs = malloc(sizeof(float) * Hq * D), *tables = malloc(sizeof(float) * m * C * G);
@@ -355,12 +407,23 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
   /* completion's: the part left out, per query row (its log-sum-exp and output), the selection's log-sum-exp */
   float *part_lse = NULL, *part_out = NULL, *sel_lse = NULL;
   uint8_t *mark = NULL;
+  /* the budget in mass's: the sinks' and window's exact scores (the stored ones: every slot but the new token's) */
+  int cutting = mass > 0.0f && mass < 1.0f;
+  int64_t n_fixed = n_slots - 1, *slots = NULL;
+  float *fixed = NULL;
   if (sums) {
     part_lse = malloc(sizeof(float) * Hq), part_out = malloc(sizeof(float) * Hq * D);
-    sel_lse = malloc(sizeof(float) * Hq), mark = malloc(n);
+    sel_lse = malloc(sizeof(float) * Hq);
+  }
+  if (sums || cutting) mark = malloc(n);
+  if (cutting) {
+    slots = malloc(sizeof(int64_t) * (n_fixed > 0 ? n_fixed : 1));
+    fixed = malloc(sizeof(float) * (n_fixed > 0 ? n_fixed : 1) * G);
+    for (int64_t j = 0; slots && j < n_fixed; j++) slots[j] = j;
   }
   int failed = !qs || !tables || !exact || !scores || !top || !local || !idx || !valid;
-  failed = failed || (sums && (!part_lse || !part_out || !sel_lse || !mark || G > 64));
+  failed = failed || (sums && (!part_lse || !part_out || !sel_lse || G > 64));
+  failed = failed || ((sums || cutting) && !mark) || (cutting && (!slots || !fixed || G > 64));
   for (int64_t i = 0; !failed && i < Hq * D; i++) qs[i] = q[i] * scaling; /* methods' q * scaling, in float32 */
   for (int64_t c = 0; !failed && c < Hk; c++) { /* the new token's slot, rounded as torch's copy rounds it */
     int64_t slot = (c * head_stride + (n_slots - 1) * D) * kv_bytes((int)w_kind);
@@ -375,8 +438,10 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     Searched found = {NULL, NULL, NULL}; /* what completion reads: kept only under completion */
     const float *scale = row_scale ? row_scale + c * G : NULL;
     const float *residuals = row_scale ? X->residuals + c * X->residual_head : NULL;
+    int estimating = sums || cutting; /* the search's PQ scores (and exponentials) kept for the estimate */
     failed = pq_search_rows(tables, m, C, G, X->codes + c * X->code_head, X->code_sub, n, cand, sum_mode, wide, scale,
-                            residuals, top, sums ? &found.rows : NULL, sums ? &found.e : NULL, searched_top);
+                            residuals, top, estimating ? &found.rows : NULL, estimating ? &found.e : NULL,
+                            searched_top);
     found.top = searched_top;
     if (failed) break;
     head_scores(S, c, top, wide, qc, G, D, local, exact);
@@ -386,11 +451,20 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
       for (int64_t g = 0; g < G; g++) scores[(c * k + i) * G + g] = exact[idx[i] * G + g];
       valid[c * k + i] = 1;
     }
+    if (!failed && cutting) {
+      float rest_lse[64];
+      size_t size = (size_t)kv_bytes((int)w_kind);
+      gather_dot((const char *)wk + c * head_stride * size, (int)w_kind, D, slots, n_fixed, qc, G, D, fixed);
+      failed = unselected_part(tables, X, X->codes + c * X->code_head, cand, n, &found, top, exact, wide, idx, NULL,
+                               k, G, NULL, NULL, D, mark, rest_lse, NULL);
+      failed = failed || cut_by_mass(fixed, n_fixed, exact, idx, k, rest_lse, G, mass, mass_floor, valid + c * k);
+    }
     if (!failed && sums)
-      failed = unselected_part(tables, X, X->codes + c * X->code_head, cand, n, &found, top, exact, wide, idx, k, G,
-                               sums + c * m * C * D, counts + c * m * C, D, mark, part_lse + c * G,
-                               part_out + c * G * D);
+      failed = unselected_part(tables, X, X->codes + c * X->code_head, cand, n, &found, top, exact, wide, idx,
+                               cutting ? valid + c * k : NULL, k, G, sums + c * m * C * D, counts + c * m * C, D,
+                               mark, part_lse + c * G, part_out + c * G * D);
   }
+  if (!failed && kept) memcpy(kept, valid, Hk * k);
   if (!failed)
     failed = attend_picks_lse(q, Hq, wk, wv, w_kind, Hk, head_stride, n_slots, D, scaling, k, scores, valid, pos,
                               S->S0 ? S->shared_v : NULL, S->shared_head, S->S0, S->own_v, S->own_head, S->kind, out,
@@ -416,6 +490,8 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
   free(part_out);
   free(sel_lse);
   free(mark);
+  free(slots);
+  free(fixed);
   return failed ? -1 : 0;
 }
 

@@ -45,6 +45,7 @@ def pq_step(
     token=None,
     cells=None,
     row_scale=None,
+    mass=None,
 ):
     """A PQ layer's selection and attention for one token in one C call: pq_top's search for `wide` candidates, the
     re-rank's exact scores and combined_top's k picks (counts = (k, wide)), then attend_picks, with the same kernels
@@ -60,7 +61,9 @@ def pq_step(
     values summed and how many (engine/completion.ValueMeans), or None: with them the candidates not picked are
     estimated and merged into the output (completion), and a token filed here is summed into its cells in place.
     row_scale (Hq,) float32, or None: the search ranks each token by its PQ score + row_scale x its residual
-    (methods/pqcache.spreads; index's residuals (Hk, S') float32)."""
+    (methods/pqcache.spreads; index's residuals (Hk, S') float32). mass: (target, floor) a budget in mass (the
+    fewest picks whose estimated share reaches target, at least floor: methods/estimate.estimate_and_cut), or None
+    -> (pos, out, kept): kept (Hk, k) bool, the picks attended (all of them without a budget in mass)."""
     k, wide = counts
     shared_k, shared_v, S0, own_k, own_v = stores
     keys, values, n_slots, k_new, v_new = window
@@ -103,6 +106,10 @@ def pq_step(
     T, norms, t = _token(token, index, Hk, D) if token is not None else (None, None, 0)
     pos = torch.empty((Hk, k), dtype=torch.int64)
     out = torch.empty(1, Hq * D)
+    kept = torch.ones((Hk, k), dtype=torch.bool)
+    target, floor = (0.0, 0) if mass is None else mass
+    if mass is not None and Hq // Hk > 64:
+        raise ValueError(f"pq_step: a budget in mass takes at most 64 query rows a KV head, not {Hq // Hk}")
     args = (q.data_ptr(), Hq, Hk, D, scaling, ctypes.byref(X), cand.data_ptr(), cand.shape[0], MODES[mode], wide, k)
     args += (
         address(row_scale),
@@ -114,10 +121,11 @@ def pq_step(
         n_slots,
     )
     args += (pos.data_ptr(), out.data_ptr(), new[0].data_ptr(), new[1].data_ptr(), address(norms), t)
-    if native.library().pq_step(*args, None if T is None else ctypes.byref(T), address(sums), address(counts)):
+    args += (None if T is None else ctypes.byref(T), address(sums), address(counts), target, floor, kept.data_ptr())
+    if native.library().pq_step(*args):
         raise MemoryError("pq_step: no scratch memory")
     del keep  # the centroids the C call read (a copy where they were not contiguous)
-    return pos, out
+    return pos, out, kept
 
 
 def pq_append(new: tuple, index: tuple, token: tuple):

@@ -285,17 +285,20 @@ def test_the_tokens_attended_a_step_are_counted_on_every_path():
     assert floor <= runs["mass"].attended_per_step() < runs["fixed"].attended_per_step()
 
 
-def _greedy_on_a_fork(model, parent, token, n: int):
+def _greedy_on_a_fork(model, parent, token, n: int, picked: list | None = None):
     """n greedy one-token steps on a fork of the prefilled `parent` from token (1, 1): (tokens (1, n), logits (n,
-    1, V)). Both paths compared decode forks of one prefill: two prefills of the same text can differ in the last
-    bit of some keys (in about 1 process of 12 here, the keys from about position 200 of 400 on, MKL_DYNAMIC=FALSE
-    or not; the cause is not found), and the K-Means with them."""
+    1, V)); `picked`, where given, gets each PQ layer's picks attended over the steps. Both paths compared decode
+    forks of one prefill: two prefills of the same text can differ in the last bit of some keys (in about 1 process
+    of 12 here, the keys from about position 200 of 400 on, MKL_DYNAMIC=FALSE or not; the cause is not found), and
+    the K-Means with them."""
     fork, tokens, scores = parent.fork("pqcache"), [], []
     for _ in range(n):
         logits = model(token, cache=fork).logits[:, -1]
         token = logits.argmax(-1, keepdim=True)
         tokens.append(token)
         scores.append(logits)
+    if picked is not None:
+        picked.extend(layer.counters["picked"] for layer in fork.pq_layers)
     fork.close()
     return torch.cat(tokens, 1), torch.stack(scores)
 
@@ -313,7 +316,7 @@ def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch,
     calls, real = [], native_step.pq_step
 
     def counted(*args, **kwargs):
-        calls.append(args[-1] is not None)
+        calls.append(kwargs["cells"] is not None)
         return real(*args, **kwargs)
 
     with torch.no_grad():
@@ -333,6 +336,42 @@ def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch,
     with torch.no_grad():
         ref_seq, ref_scores = _greedy_on_a_fork(model, parent, ids[:, -1:], n=10)
     parent.close()
+    assert torch.equal(seq, ref_seq)
+    torch.testing.assert_close(scores.nan_to_num(0, 0, 0), ref_scores.nan_to_num(0, 0, 0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+@pytest.mark.parametrize("settings", [{}, dict(completion=True)], ids=["mass", "mass and completion"])
+def test_a_budget_in_mass_in_the_fused_step_keeps_what_the_general_step_keeps(arch, settings, monkeypatch):
+    """A budget in mass is one C call too (native/pq_step.c's cut_by_mass, from the scores the search and the
+    re-rank already made): every decode step through it, each layer keeping the general step's number of picks,
+    fewer than the token budget's, and the same tokens, logits within float rounding (another summation order)."""
+    from pqcache.native import pq_step as native_step
+
+    model, ids = tiny_model(arch), _ids(400, seed=7)
+    # a random model's attention is flat: a tenth of its mass is a few picks past the sinks and the window
+    config = PQCacheConfig(token_budget=0.2, rerank_min_tokens=0, mass=0.1, mass_floor_tokens=2, **SMALL, **settings)
+    calls, real = [], native_step.pq_step
+
+    def counted(*args, **kwargs):
+        calls.append(kwargs["mass"])
+        return real(*args, **kwargs)
+
+    with torch.no_grad():
+        parent = PQCache(model, config)
+        model(ids[:, :-1], cache=parent)
+        parent.wait()
+    picked, ref_picked = [], []
+    with torch.no_grad(), monkeypatch.context() as m:
+        m.setattr(native_step, "pq_step", counted)
+        seq, scores = _greedy_on_a_fork(model, parent, ids[:, -1:], n=10, picked=picked)
+    assert calls == [(0.1, 2)] * (10 * len(parent.pq_layers))  # every one-token step of the fork
+    _general_path(monkeypatch)
+    with torch.no_grad():
+        ref_seq, ref_scores = _greedy_on_a_fork(model, parent, ids[:, -1:], n=10, picked=ref_picked)
+    k = config.split(400)[1]
+    parent.close()
+    assert picked == ref_picked and all(2 * 10 <= p < k * 10 for p in picked), (picked, ref_picked, k)
     assert torch.equal(seq, ref_seq)
     torch.testing.assert_close(scores.nan_to_num(0, 0, 0), ref_scores.nan_to_num(0, 0, 0), rtol=1e-4, atol=1e-4)
 

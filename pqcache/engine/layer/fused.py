@@ -75,12 +75,14 @@ def step(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> tup
     row_scale = None
     if margin:  # the first stage's margin (methods/pqcache.spreads), per query row
         row_scale = pq_method.spreads(index, query.reshape(1, H, Hq // H, D) * scaling, margin)[0].view(Hq)
-    top, out = native_step.pq_step(*args, token, cells, row_scale)
+    config = layer.config
+    mass = None if config.mass is None else (config.mass, config.mass_floor_tokens)
+    top, out, kept = native_step.pq_step(*args, token, cells=cells, row_scale=row_scale, mass=mass)
     if value_means is not None and not alone:  # the call summed the token it filed into its cells
         value_means.summed_elsewhere(1)
-    top = top[None]  # (1, H, k): every pick valid (a candidate, in the re-rank's k)
-    top_valid = torch.ones_like(top, dtype=torch.bool)
-    moved = window.counted(0, top.numel(), top.numel(), False, 0)  # no block cache: every pick read in the host tier
+    top, top_valid = top[None], kept[None]  # (1, H, k): the picks (candidates, in the re-rank's k), those attended
+    n_read = int(top_valid.sum())
+    moved = window.counted(0, n_read, n_read, False, 0)  # no block cache: every pick attended read in the host tier
     if observed:
         observe_picks(layer, query.reshape(1, H, Hq // H, D), scaling, top, top_valid, moved)
     if alone:

@@ -47,8 +47,6 @@ def ready(layer, query: torch.Tensor) -> bool:
         return False
     if layer.obs is not None and layer.obs.selections:  # the position of every buffer slot: PQLayer.attend's
         return False
-    if layer.config.mass is not None:  # a budget in mass: PQLayer.attend's (issue 64); completion: attend() says
-        return False
     index = layer.method_state.get("index")
     if index is None or len(index.segments) != 1 or index.rotations:
         return False
@@ -76,9 +74,10 @@ def _state(layer) -> _State:
 def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) -> torch.Tensor | None:
     """query (1, Hq, 1, D), k_new, v_new (1, H, 1, D), new_valid (1, 1) -> attention output (1, 1, Hq, D), with
     the layer's tiers, index and counters updated as PQLayer.attend updates them. None, before anything is changed,
-    for a step with completion that the fused C call cannot take (which estimates the candidates left out in the
-    same pass, native/pq_step.c) and whose picks are not every candidate, or that is observed (the general step
-    records the estimate's share): PQLayer.attend's general step then takes it."""
+    for a step with completion or a budget in mass that the fused C call cannot take (which makes the estimate in
+    the same pass, native/pq_step.c) and that needs it (completion: picks that are not every candidate; a budget in
+    mass: any), or that is observed (the general step records the estimate's share): PQLayer.attend's general step
+    then takes it."""
     host, window, config, state = layer.host, layer.window, layer.config, _state(layer)
     index = layer.method_state["index"]
     _, Hq, _, D = query.shape
@@ -87,8 +86,8 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
 
     # the step's budget and candidates (what PQLayer.select's view reads)
     k = layer.topk_counts()[0]
-    completing = config.completion
-    if completing and layer.obs is not None:
+    estimating = config.completion or config.mass is not None
+    if estimating and layer.obs is not None:
         return None
     if config.kernels.fused and fused.applies(layer, query, softcap, new_valid):
         cand, k, wide, n_cand = fused.counts(layer)
@@ -96,9 +95,9 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
             top, top_valid, moved, out = fused.step(layer, index, query, cand, (k, wide), k_new, v_new, scaling)
             _books(layer, top, top_valid, moved)
             return out
-        if completing and n_cand > k:
+        if estimating and (config.mass is not None or n_cand > k):
             return None
-    elif completing:
+    elif estimating:
         return None
     cand = window.candidates()  # (1, S): real tokens that are not sinks, older than the window
     n_cand = int(cand.sum())
