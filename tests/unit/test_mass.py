@@ -341,7 +341,11 @@ def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch,
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("settings", [{}, dict(completion=True)], ids=["mass", "mass and completion"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, dict(completion=True), dict(search_margin=0.0), dict(search_margin=0.0, gqa_combine="sum")],
+    ids=["mass", "mass and completion", "the search's exponentials", "raw-sum combine"],
+)
 def test_a_budget_in_mass_in_the_fused_step_keeps_what_the_general_step_keeps(arch, settings, monkeypatch):
     """A budget in mass is one C call too (native/pq_step.c's cut_by_mass, from the scores the search and the
     re-rank already made): every decode step through it, each layer keeping the general step's number of picks,
