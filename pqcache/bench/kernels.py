@@ -131,7 +131,7 @@ def _first_stage(config, context: int) -> tuple[int, int, int]:
     D = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     group = config.num_attention_heads // config.num_key_value_heads
     n_init, k, n_local = defaults.split(context)
-    return D, group, first_stage_count(defaults, k, context - n_init - n_local, context)
+    return D, group, first_stage_count(defaults, k, context - n_init - n_local)
 
 
 def rerank_cases(config, g: torch.Generator, context: int = 32768, layers: int = 3) -> list[tuple]:

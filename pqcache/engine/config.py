@@ -216,26 +216,14 @@ class PQCacheConfig:
         mass_window_tokens under a budget in mass; the top-k part gets the rest."""
         budget = self.budget_tokens(context_len)
         n_init = self.sinks(budget, context_len)
-        n_local = self.n_local if self.n_local is not None else self.unset_window(budget, n_init)[1]
+        if self.n_local is not None:
+            n_local = self.n_local
+        else:
+            n_local = max(1, round((budget - n_init) * self.local_ratio))
+            if self.mass is not None:
+                n_local = min(n_local, self.mass_window_tokens)
         n_topk = max(0, budget - n_init - n_local)
         return n_init, n_topk, n_local
-
-    def unset_window(self, budget: int, n_init: int) -> tuple[int, int]:
-        """An unset window's tokens: (the fixed split's, local_ratio of what the sinks leave; this config's, at most
-        mass_window_tokens of it under a budget in mass)."""
-        fixed = max(1, round((budget - n_init) * self.local_ratio))
-        return fixed, fixed if self.mass is None else min(fixed, self.mass_window_tokens)
-
-    def rerank_base(self, k: int, context_len: int) -> int:
-        """The picks a re-rank's width is reckoned from (rerank x it): k, or under a budget in mass with an unset
-        window the fixed split's top-k, k less the tokens the smaller window left to the picks. The mass attends a
-        few of the picks, so a re-rank of rerank x the grown ceiling bought little and cost the most of the step
-        (docs/results.md, the budget in mass's cost)."""
-        if self.mass is None or self.n_local is not None:
-            return k
-        budget = self.budget_tokens(context_len)
-        fixed, own = self.unset_window(budget, self.sinks(budget, context_len))
-        return max(1, k - (fixed - own))
 
     def sinks(self, budget: int, context_len: int) -> int:
         """The sinks of a split. Below 4 x n_init tokens (128 by default) the sinks would otherwise eat the budget:

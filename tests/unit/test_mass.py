@@ -240,27 +240,6 @@ def test_a_budget_in_mass_gives_an_unset_window_a_few_tokens_and_the_picks_the_r
     assert PQCacheConfig(token_budget=0.005, mass=0.9).split(1500) == PQCacheConfig(token_budget=0.005).split(1500)
 
 
-def test_a_budget_in_mass_re_ranks_as_many_candidates_as_the_fixed_budget():
-    """The picks' ceiling grows by the tokens the smaller window leaves, but the re-rank keeps the fixed budget's
-    width (rerank x its top-k): the mass attends a few of the picks. A set window, or no budget in mass, keeps
-    rerank x k; the width is never below the ceiling's k."""
-    from pqcache.engine.methods.pqcache import first_stage_count
-
-    for context in (4000, 8192, 32_000):
-        n_cand = context - 100
-        fixed_config, mass_config = PQCacheConfig(), PQCacheConfig(mass=0.85)
-        k_fixed, k_mass = fixed_config.split(context)[1], mass_config.split(context)[1]
-        assert k_mass > k_fixed
-        wide = first_stage_count(mass_config, k_mass, n_cand, context)
-        assert wide == first_stage_count(fixed_config, k_fixed, n_cand, context) and wide > k_mass
-        set_window = PQCacheConfig(mass=0.85, n_local=64)
-        k_set = set_window.split(context)[1]
-        assert first_stage_count(set_window, k_set, n_cand, context) == min(4 * k_set, n_cand)
-    tight = PQCacheConfig(mass=0.85, rerank=2, rerank_min_tokens=0)
-    k = tight.split(8192)[1]
-    assert first_stage_count(tight, k, 10_000, 8192) >= k
-
-
 def test_a_budget_in_mass_attends_fewer_tokens_than_the_fixed_splits_window():
     """With the window left unset, a flat random model's mass budget attends fewer tokens a step than the fixed
     budget's sinks and window alone: the window no longer takes half of the ceiling whatever the mass says."""

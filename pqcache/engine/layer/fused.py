@@ -22,7 +22,7 @@ def counts(layer) -> tuple:
     host = layer.host
     cand = host.searchable[0, : max(0, host.S - layer.window.n_local[0])]
     k, n_cand = layer.topk_counts()[0], int(torch.count_nonzero(cand))
-    return cand, k, first_stage_count(layer.config, k, n_cand, layer.window.n_real[0]), n_cand
+    return cand, k, first_stage_count(layer.config, k, n_cand), n_cand
 
 
 def applies(layer, query, softcap, new_valid) -> bool:

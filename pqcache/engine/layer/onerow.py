@@ -108,7 +108,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
         top_valid = top.bool()
     else:
         qs = q * scaling
-        wide = first_stage_count(config, k, n_cand, window.n_real[0])
+        wide = first_stage_count(config, k, n_cand)
         mode = config.gqa_combine
         top, top_valid = search(index, qs, cand, [wide], mode, first_stage_margin(config))
         if wide != k:

@@ -44,11 +44,6 @@ class LayerView:
         return self._layer.topk_counts()
 
     @property
-    def n_real(self) -> list[int]:
-        """Real tokens of each row (what the budget is a share of)."""
-        return list(self._layer.window.n_real)
-
-    @property
     def k_max(self) -> int:
         return min(max(self.ks), self.S)
 

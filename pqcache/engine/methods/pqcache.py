@@ -160,17 +160,16 @@ def searches_natively(index: PQIndex, rows: int) -> bool:
 
 
 def first_stage_counts(view) -> list[int]:
-    """Candidates the PQ search keeps per row: rerank x k (k: config.rerank_base's), at least rerank_min_tokens
-    (with a re-rank) and k, never more than the row's candidates."""
+    """Candidates the PQ search keeps per row: rerank x k, at least rerank_min_tokens (with a re-rank),
+    never more than the row's candidates."""
     n_cand = view.candidates.sum(1).tolist()
-    rows = zip(view.ks, n_cand, view.n_real, strict=True)
-    return [first_stage_count(view.config, k, n, context) for k, n, context in rows]
+    return [first_stage_count(view.config, k, n) for k, n in zip(view.ks, n_cand, strict=True)]
 
 
-def first_stage_count(config, k: int, n_cand: int, context_len: int) -> int:
-    """One row's first-stage candidates for k picks out of n_cand, of context_len real tokens (first_stage_counts)."""
+def first_stage_count(config, k: int, n_cand: int) -> int:
+    """One row's first-stage candidates for k picks out of n_cand (see first_stage_counts)."""
     floor = config.rerank_min_tokens if config.rerank > 1 else 0
-    return min(max(config.rerank * config.rerank_base(k, context_len), floor, k), n_cand)
+    return min(max(config.rerank * k, floor), n_cand)
 
 
 def rerank_exact(host, q: torch.Tensor, top: torch.Tensor, valid: torch.Tensor, ks: list[int], config, exact=None):
