@@ -192,10 +192,10 @@ typedef struct {
   const float *rows, *e, *top;
 } Searched;
 
-/* the candidates' weights exp(score + offset - best) (G per token) summed by cell into cells (m C, G; NULL: only z)
-   and over the tokens into z (G,), tokens [t0, t1) that are candidates and not marked. From the search's exponentials where it
-   kept them (scale: exp(top + offset - best), so no exponential is taken here), else from its scores where it kept
-   them, else from the codes. */
+/* the candidates' weights exp(score + offset - best) (G per token) summed by cell into cells (m C, G; NULL: only
+   z) and over the tokens into z (G,), tokens [t0, t1) that are candidates and not marked. From the search's
+   exponentials where it kept them (scale: exp(top + offset - best), so no exponential is taken here), else from its
+   scores where it kept them, else from the codes. */
 static void weigh_candidates(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand,
                              const uint8_t *mark, int64_t n, int64_t t0, int64_t t1, int64_t G, const Searched *found,
                              const float *offset, const float *best, const float *scale, float *cells, double *z) {
@@ -236,15 +236,15 @@ static void weigh_candidates(const float *tables, const Index *X, const uint8_t 
    scores exactly, another its PQ score shifted by the calibration offset (engine/mass.py: the exact scores'
    log-sum-exp over the re-rank's candidates less their PQ scores'); its value is the mean over the sub-spaces of its
    cells' mean values (sums (m C, D) each cell's values summed, counts (m C,) how many: a mean is sums over at
-   least 1). picked: the k of top taken (idx), those of kept (k,; NULL: all) attended, the others estimated. -> lse
-   (G,) the part's log-sum-exp (-inf where no token is left out) and, where sums is not NULL, out (G, D) its output,
-   normalised over the part (sums NULL: the log-sum-exp alone, for the budget in mass). mark: n bytes of scratch. The same
-   arithmetic as completion.unselected_part, summed in another order (and split between the threads from
-   COMPLETE_SPLIT candidates on: each its own cells, added in thread order). 0, or -1 without scratch memory. */
+   least 1). picked: the k of top taken (idx). -> lse (G,) the part's log-sum-exp (-inf where no token is left out)
+   and, where sums is not NULL, out (G, D) its output, normalised over the part (sums NULL: the log-sum-exp alone,
+   for the budget in mass). mark: n bytes of scratch. The same arithmetic as completion.unselected_part, summed in
+   another order (and split between the threads from COMPLETE_SPLIT candidates on: each its own cells, added in
+   thread order). 0, or -1 without scratch memory. */
 static int unselected_part(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand, int64_t n,
                            const Searched *found, const int64_t *top, const float *exact, int64_t wide,
-                           const int64_t *idx, const uint8_t *kept, int64_t k, int64_t G, const float *sums,
-                           const float *counts, int64_t D, uint8_t *mark, float *lse, float *out) {
+                           const int64_t *idx, int64_t k, int64_t G, const float *sums, const float *counts,
+                           int64_t D, uint8_t *mark, float *lse, float *out) {
   int64_t m = X->m, P = m * X->C;
   int threads = n >= COMPLETE_SPLIT ? omp_get_max_threads() : 1;
   float *cells = calloc((size_t)threads * P * G, sizeof(float)); /* each thread's (m C, G) sums */
@@ -259,8 +259,7 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
   }
   memset(mark, 0, n);
   for (int64_t i = 0; i < wide; i++) mark[top[i]] = 1; /* known: scored exactly */
-  for (int64_t i = 0; i < k; i++) /* picked: attended, not estimated (a pick the mass left out: known) */
-    mark[top[idx[i]]] = kept == NULL || kept[i] ? 2 : 1;
+  for (int64_t i = 0; i < k; i++) mark[top[idx[i]]] = 2; /* picked: not estimated here (add_dropped: the mass's) */
   float offset[64] = {0}, zero[64] = {0}, emax[64], best[64], scale[64], w[64];
   for (int64_t i = 0; i < wide; i++) /* the re-rank's candidates' PQ scores, then the offset */
     if (found->rows != NULL)
@@ -380,6 +379,34 @@ static int cut_by_mass(const float *fixed, int64_t n_fixed, const float *exact, 
   return 0;
 }
 
+/* Completion's part (lse (G,), out (G, D) normalised over it: unselected_part's) with the picks the mass left out
+   added: each weighs exp(its exact score) and brings the mean over the sub-spaces of its cells' mean values, as
+   unselected_part weighs the re-rank's candidates it leaves out (the general step's sum, in another order). */
+static void add_dropped(const Index *X, const uint8_t *codes, const int64_t *top, const int64_t *idx,
+                        const float *exact, const uint8_t *kept, int64_t k, int64_t G, const float *sums,
+                        const float *counts, int64_t D, float *lse, float *out) {
+  for (int64_t g = 0; g < G; g++) {
+    float best = lse[g], *o = out + g * D;
+    for (int64_t i = 0; i < k; i++)
+      if (!kept[i]) best = exact[idx[i] * G + g] > best ? exact[idx[i] * G + g] : best;
+    if (best == -INFINITY) continue; /* no token left out */
+    double total = lse[g] == -INFINITY ? 0.0 : exp((double)lse[g] - best);
+    for (int64_t d = 0; d < D; d++) o[d] *= (float)total; /* the part's sum, on the new shift */
+    for (int64_t i = 0; i < k; i++) {
+      if (kept[i]) continue;
+      float w = expf(exact[idx[i] * G + g] - best);
+      total += w;
+      for (int64_t j = 0; j < X->m; j++) {
+        int64_t cell = j * X->C + codes[j * X->code_sub + top[idx[i]]];
+        float f = w / X->m / (counts[cell] > 1.0f ? counts[cell] : 1.0f);
+        for (int64_t d = 0; d < D; d++) o[d] += f * sums[cell * D + d];
+      }
+    }
+    for (int64_t d = 0; d < D; d++) o[d] = (float)(o[d] / total);
+    lse[g] = best + (float)log(total);
+  }
+}
+
 /* q (Hq, D) the token's query rows (unscaled); cand (n,) the candidates among tokens 0..n-1; the window's keys and
    values wk, wv (Hk heads of head_stride elements of w_kind, its first n_slots rows attended: sinks, ring, the new
    token, whose k_new, v_new (Hk, D) float32 this call writes into the last slot) -> pos (Hk, k) the picks in
@@ -451,18 +478,20 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
       for (int64_t g = 0; g < G; g++) scores[(c * k + i) * G + g] = exact[idx[i] * G + g];
       valid[c * k + i] = 1;
     }
+    /* the candidates that are not picks, in one pass: completion's part, and the budget in mass's softmax */
+    const uint8_t *codes = X->codes + c * X->code_head;
+    float rest_lse[64], *lse = sums ? part_lse + c * G : rest_lse;
+    const float *sums_c = sums ? sums + c * m * C * D : NULL, *counts_c = sums ? counts + c * m * C : NULL;
+    if (!failed && estimating)
+      failed = unselected_part(tables, X, codes, cand, n, &found, top, exact, wide, idx, k, G, sums_c, counts_c, D,
+                               mark, lse, sums ? part_out + c * G * D : NULL);
     if (!failed && cutting) {
-      float rest_lse[64];
       size_t size = (size_t)kv_bytes((int)w_kind);
       gather_dot((const char *)wk + c * head_stride * size, (int)w_kind, D, slots, n_fixed, qc, G, D, fixed);
-      failed = unselected_part(tables, X, X->codes + c * X->code_head, cand, n, &found, top, exact, wide, idx, NULL,
-                               k, G, NULL, NULL, D, mark, rest_lse, NULL);
-      failed = failed || cut_by_mass(fixed, n_fixed, exact, idx, k, rest_lse, G, mass, mass_floor, valid + c * k);
+      failed = cut_by_mass(fixed, n_fixed, exact, idx, k, lse, G, mass, mass_floor, valid + c * k);
+      if (!failed && sums)
+        add_dropped(X, codes, top, idx, exact, valid + c * k, k, G, sums_c, counts_c, D, lse, part_out + c * G * D);
     }
-    if (!failed && sums)
-      failed = unselected_part(tables, X, X->codes + c * X->code_head, cand, n, &found, top, exact, wide, idx,
-                               cutting ? valid + c * k : NULL, k, G, sums + c * m * C * D, counts + c * m * C, D,
-                               mark, part_lse + c * G, part_out + c * G * D);
   }
   if (!failed && kept) memcpy(kept, valid, Hk * k);
   if (!failed)
