@@ -14,6 +14,11 @@ is kept and the m of them averaged: each is the best guess of v from one part of
 summed as tokens arrive (a new codebook sums them anew): float32 sums and counts, segments x m x C x (D + 1) x 4
 bytes per row and KV head of a layer (64 KiB at m=1, 8 bits, D=64), no bytes per token (the codes are the index's).
 
+With config.value_codes = n (a study's setting, off by default), v~_t is instead the token's own value as PQ codes it:
+n sub-spaces of the values, VALUE_CENTROIDS centroids each (K-Means on the values stored when first needed, later
+values coded against them): n bytes a token and KV head, and VALUE_CENTROIDS x D float32 per row and KV head of a
+layer (256 KiB at D=256). docs/results.md compares the two.
+
 When every middle token is selected, the output is the selection's own, bit for bit: nothing is merged.
 Shapes: B rows, H KV heads, S positions, R query rows per KV head, D head size, P = segments x m x C cells.
 """
@@ -22,7 +27,11 @@ from __future__ import annotations
 
 import torch
 
+from pqcache.engine import pq
+
 VALUE_MEANS = "value_means"  # the view.state key of a layer's ValueMeans
+VALUE_CODES = "value_codes"  # the view.state key of a layer's ValueCodes
+VALUE_CENTROIDS = 256  # centroids per sub-space of the values' codes: a code is one byte
 
 
 def token_cells(index, end: int, start: int = 0) -> torch.Tensor:
@@ -45,9 +54,11 @@ class ValueMeans:
         self.sums = torch.zeros((B, H, n_cells, D), dtype=torch.float32, device=index.device)
         self.counts = torch.zeros((B, H, n_cells), dtype=torch.float32, device=index.device)
         self.done = 0  # positions summed
+        self.index = index  # whose codes name each token's cells
 
     def update(self, index, host) -> None:
         """Sum the values of the positions stored since the last update into their cells."""
+        self.index = index
         S = host.S
         if S <= self.done:
             return
@@ -69,6 +80,15 @@ class ValueMeans:
         """(B, H, P, D): each cell's mean value (0 for a cell no token fell in)."""
         return self.sums / self.counts.clamp(min=1)[..., None]
 
+    def output(self, weights: torch.Tensor) -> torch.Tensor:
+        """weights (B, H, S, R) of the stored tokens -> sum_t weights_t v~_t (B, H, R, D)."""
+        cells = token_cells(self.index, weights.shape[2])  # (B, H, m, S)
+        m, R = cells.shape[2], weights.shape[3]
+        per_cell = torch.zeros((*self.counts.shape, R), dtype=weights.dtype, device=weights.device)  # (B, H, P, R)
+        for j in range(m):
+            per_cell.scatter_add_(2, cells[:, :, j, :, None].expand(-1, -1, -1, R), weights)
+        return per_cell.transpose(-1, -2) @ self.means() / m
+
     @property
     def nbytes(self) -> int:
         return (self.sums.numel() + self.counts.numel()) * 4
@@ -83,19 +103,65 @@ def value_means(state: dict, index, host) -> ValueMeans:
     return kept
 
 
-def unselected_part(scores: torch.Tensor, unselected: torch.Tensor, cells: torch.Tensor, means: torch.Tensor):
-    """scores (B, H, S, R) the estimated scores, unselected (B, H, S) bool, cells (B, H, m, S) each token's cells,
-    means (B, H, P, D) -> the unselected tokens' log-sum-exp (B, H, R) (-inf where none) and their estimated output
-    (B, H, R, D): sum_t softmax_t(s~) v~_t over them (0 where none)."""
+class ValueCodes:
+    """The values' own PQ codes (config.value_codes sub-spaces; see above), kept up to date as tokens arrive."""
+
+    def __init__(self, host, n_sub: int, iters: int, seed: int):
+        B, H = host.B, host.H
+        values = host.values(0, host.S, device="cpu", dtype=torch.float32)  # (B, H, S, D)
+        real = host.valid[:, : host.S].to("cpu")
+        per_head = [
+            pq.train_centroids(values[b, h, real[b]], n_sub, VALUE_CENTROIDS, iters, "l2", seed)
+            for b in range(B)
+            for h in range(H)
+        ]
+        self.centroids = torch.stack(per_head).view(B, H, *per_head[0].shape).to(host.device)  # (B, H, n, C, d)
+        self.codes = torch.zeros((B, H, n_sub, 0), dtype=torch.uint8, device=host.device)
+        self.update(host)
+
+    def update(self, host) -> None:
+        """Code the values of the positions stored since the last update."""
+        done = self.codes.shape[-1]
+        if host.S > done:
+            values = host.values(done, host.S, device=self.centroids.device, dtype=torch.float32)
+            self.codes = torch.cat([self.codes, pq.encode(values, self.centroids, "l2")], dim=-1)
+
+    def output(self, weights: torch.Tensor) -> torch.Tensor:
+        """weights (B, H, S, R) of the stored tokens -> sum_t weights_t v~_t (B, H, R, D): per sub-space, the
+        weight of each code times its centroid."""
+        B, H, S, R = weights.shape
+        n, C, d = self.centroids.shape[-3:]
+        codes = self.codes[..., :S].long()[..., None].expand(-1, -1, -1, -1, R)  # (B, H, n, S, R)
+        per_code = torch.zeros((B, H, n, C, R), dtype=weights.dtype, device=weights.device)
+        per_code.scatter_add_(3, codes, weights[:, :, None].expand(-1, -1, n, -1, -1))
+        out = per_code.transpose(-1, -2) @ self.centroids  # (B, H, n, R, d)
+        return out.transpose(2, 3).reshape(B, H, R, n * d)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel() + self.centroids.numel() * 4
+
+
+def value_summary(state: dict, index, host, config):
+    """What completion reads the unselected tokens' values from: the layer's ValueCodes where config.value_codes
+    asks for them (made on first use), else its ValueMeans; either up to date with the stored tokens."""
+    if not config.value_codes:
+        return value_means(state, index, host)
+    kept = state.get(VALUE_CODES)
+    if kept is None:
+        kept = state[VALUE_CODES] = ValueCodes(host, config.value_codes, index.iters_for(host.S), config.seed)
+    kept.update(host)
+    return kept
+
+
+def unselected_part(scores: torch.Tensor, unselected: torch.Tensor, summary):
+    """scores (B, H, S, R) the estimated scores, unselected (B, H, S) bool, summary the values' (value_summary)
+    -> the unselected tokens' log-sum-exp (B, H, R) (-inf where none) and their estimated output (B, H, R, D):
+    sum_t softmax_t(s~) v~_t over them (0 where none)."""
     hidden = ~unselected[..., None]
     lse = scores.masked_fill(hidden, float("-inf")).logsumexp(2)  # (B, H, R)
     weights = (scores - lse[:, :, None, :]).exp().masked_fill(hidden, 0.0)  # (B, H, S, R); 0 where lse is -inf
-    m, R = cells.shape[2], scores.shape[3]
-    per_cell = torch.zeros((*means.shape[:3], R), dtype=weights.dtype, device=weights.device)  # (B, H, P, R)
-    for j in range(m):
-        per_cell.scatter_add_(2, cells[:, :, j, :, None].expand(-1, -1, -1, R), weights)
-    out = per_cell.transpose(-1, -2) @ means / m  # (B, H, R, D)
-    return lse, out
+    return lse, summary.output(weights)
 
 
 def merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> torch.Tensor:

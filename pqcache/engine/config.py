@@ -99,6 +99,10 @@ class PQCacheConfig:
         "estimate the unselected tokens' attention from their PQ codes and add it to the selection's",
         "estimate the tokens not attended",
     )
+    # Completion's value of an unselected token: 0, the mean value of its key's PQ cells (no bytes a token); n > 0,
+    # the value's own PQ codes in n sub-spaces (n bytes a token and KV head, general step only): a study's setting
+    # (docs/results.md measures both).
+    value_codes: int = 0
     # OPQ: learn an orthogonal rotation of each (row, KV head)'s keys before PQ (faiss OPQMatrix);
     # queries are rotated too, on the host where the rotations are kept.
     opq: bool = False
@@ -236,10 +240,12 @@ class PQCacheConfig:
         return min(self.n_init, budget // 4)
 
     def check_head_dim(self, head_dim: int) -> None:
+        divisors = [d for d in (1, 2, 4, 8, 16, 32) if head_dim % d == 0]
         if self.m is not None and head_dim % self.m:
+            raise PQCacheConfigError(f"m={self.m} must divide the model's head_dim={head_dim} (try one of {divisors})")
+        if self.value_codes and head_dim % self.value_codes:
             raise PQCacheConfigError(
-                f"m={self.m} must divide the model's head_dim={head_dim} (try one of "
-                f"{[d for d in (1, 2, 4, 8, 16, 32) if head_dim % d == 0]})"
+                f"value_codes={self.value_codes} must divide the model's head_dim={head_dim} (try one of {divisors})"
             )
 
     def block_cache_for(self, device) -> int:
@@ -296,6 +302,8 @@ def config_errors(config: PQCacheConfig) -> list[str]:
         errors.append(f"mass_floor_tokens must be an int >= 0, got {config.mass_floor_tokens!r}")
     if not _is_int(config.mass_window_tokens) or config.mass_window_tokens < 1:
         errors.append(f"mass_window_tokens must be an int >= 1, got {config.mass_window_tokens!r}")
+    if not _is_int(config.value_codes) or config.value_codes < 0:
+        errors.append(f"value_codes must be an int >= 0 (0: a mean value per key cell), got {config.value_codes!r}")
     if not isinstance(config.completion, bool):
         errors.append(f"completion must be True or False, got {config.completion!r}")
     sm = config.search_margin

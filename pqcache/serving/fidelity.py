@@ -35,6 +35,9 @@ SETTINGS = {
     "pqcache+mass0.9": ("pqcache", {"mass": 0.9}),
     "pqcache+mass0.95": ("pqcache", {"mass": 0.95}),
     "pqcache+completion": ("pqcache", {"completion": True}),
+    # completion reading the values' own PQ codes (4 or 16 bytes a token and KV head) instead of a mean per key cell
+    "pqcache+completion+vcodes4": ("pqcache", {"completion": True, "value_codes": 4}),
+    "pqcache+completion+vcodes16": ("pqcache", {"completion": True, "value_codes": 16}),
 }
 FIELDS = ("rel_error", "tokens", "mass", "est_share")
 
@@ -97,7 +100,8 @@ def _layer_rows(layer, base_config, budgets, methods, n_queries, iters, device) 
     for name in methods:
         for budget in _budgets_of(name, budgets):
             method, fields = SETTINGS[name]
-            cfg = replace(cfg0, **{"mass": None, "completion": False, **fields}, token_budget=budget or 1.0)
+            own = {"mass": None, "completion": False, "value_codes": 0, **fields}
+            cfg = replace(cfg0, **own, token_budget=budget or 1.0)
             try:
                 acc = _replay(parent, method, cfg, keys[:, :, P:], values[:, :, P:], queries, layer.scaling)
                 rows.append(_row(layer.layer_idx, name, budget, P, acc))

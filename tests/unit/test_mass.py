@@ -30,7 +30,10 @@ def _general_path(monkeypatch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-@pytest.mark.parametrize("settings", [dict(completion=True), dict(mass=0.9), dict(mass=1.0, completion=True)])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(completion=True), dict(completion=True, value_codes=2), dict(mass=0.9), dict(mass=1.0, completion=True)],
+)
 def test_a_budget_covering_every_token_is_full_attention(arch, settings, monkeypatch):
     """Completion adds nothing when nothing is unselected, and a budget in mass keeps every pick at a target of 1 or
     a floor past the budget: full attention's tokens, and bit for bit the plain step's scores."""
@@ -46,13 +49,16 @@ def test_a_budget_covering_every_token_is_full_attention(arch, settings, monkeyp
     assert torch.equal(scores, plain_scores) and torch.equal(seq, plain_seq)
 
 
-def test_completion_brings_a_small_budget_closer_to_full_attention():
-    """At 1/10 of the tokens the completed logits are nearer full attention's than the selection's alone."""
+@pytest.mark.parametrize("value_codes", [0, 2])
+def test_completion_brings_a_small_budget_closer_to_full_attention(value_codes):
+    """At 1/10 of the tokens the completed logits are nearer full attention's than the selection's alone, whichever
+    summary of the values completion reads."""
     model, ids = tiny_model("llama"), _ids(300)
+    config = PQCacheConfig(token_budget=0.1, completion=True, value_codes=value_codes, **SMALL)
     with torch.no_grad():
         _, ref = greedy_generate(model, ids, full_attention_cache(model))
         _, plain = greedy_generate(model, ids, PQCache(model, PQCacheConfig(token_budget=0.1, **SMALL)))
-        _, done = greedy_generate(model, ids, PQCache(model, PQCacheConfig(token_budget=0.1, completion=True, **SMALL)))
+        _, done = greedy_generate(model, ids, PQCache(model, config))
     assert (done - ref).nan_to_num(0, 0, 0).abs().max() < (plain - ref).nan_to_num(0, 0, 0).abs().max()
 
 
@@ -93,13 +99,62 @@ def test_completion_equals_a_torch_reference_on_random_data():
         valid=torch.ones(1, S, dtype=torch.bool),
         values=lambda a, b, device, dtype: values[None, :, a:b],
     )
-    means = completion.value_means({}, index, host).means()
-    lse, part = completion.unselected_part(est[None], unselected[None], completion.token_cells(index, S), means)
+    summary = completion.value_means({}, index, host)
+    lse, part = completion.unselected_part(est[None], unselected[None], summary)
     masked = scores.masked_fill(~picked[..., None], float("-inf")).transpose(1, 2)  # (H, R, S)
     exact_out = masked.softmax(-1) @ values  # (H, R, D)
     got = completion.merge(exact_out[None], masked.logsumexp(-1)[None], part, lse)[0]
     want = _reference_completion(scores, values, codes[0], split, picked, unselected, est)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _values_host(values: torch.Tensor, S: int) -> SimpleNamespace:
+    """A host tier holding values (B, H, S', D)'s first S positions, every one real."""
+    B, H, _, D = values.shape
+    return SimpleNamespace(
+        B=B,
+        H=H,
+        D=D,
+        S=S,
+        device=torch.device("cpu"),
+        valid=torch.ones(B, S, dtype=torch.bool),
+        values=lambda a, b, device, dtype: values[..., a:b, :].to(device, dtype),
+    )
+
+
+def test_value_codes_give_each_token_its_own_coded_value():
+    """Completion's output from the values' PQ codes is the weights times the values as the codes give them: each
+    token's own value where the values take fewer distinct sub-vectors than there are centroids (coded exactly),
+    tokens appended after the codebook included."""
+    g = torch.Generator().manual_seed(2)
+    B, H, S, R, D, n = 1, 2, 300, 3, 8, 2
+    distinct = torch.randn(H, 5, D, generator=g)  # five values per head, each token one of them
+    values = distinct.gather(1, torch.randint(0, 5, (H, S, 1), generator=g).expand(-1, -1, D))[None]
+    unselected = torch.rand(B, H, S, generator=g) < 0.7
+    scores = torch.randn(B, H, S, R, generator=g)
+    config = PQCacheConfig(value_codes=n, kmeans_iters=5)
+    index = SimpleNamespace(iters_for=lambda s: 5)
+    state = {}
+    completion.value_summary(state, index, _values_host(values, 200), config)  # trained on the first 200
+    summary = completion.value_summary(state, index, _values_host(values, S), config)
+    assert summary.codes.shape == (B, H, n, S)
+    lse, part = completion.unselected_part(scores, unselected, summary)
+    weights = scores.masked_fill(~unselected[..., None], float("-inf")).softmax(2)  # (B, H, S, R)
+    torch.testing.assert_close(part, weights.transpose(-1, -2) @ values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, scores.masked_fill(~unselected[..., None], float("-inf")).logsumexp(2))
+
+
+def test_value_codes_equal_a_reconstruction_of_their_codes_on_random_values():
+    """On values PQ cannot code exactly, the output is the weights times pq.reconstruct's values."""
+    from pqcache.engine import pq
+
+    g = torch.Generator().manual_seed(3)
+    values = torch.randn(1, 1, 400, 8, generator=g)
+    weights = torch.rand(1, 1, 400, 2, generator=g)
+    summary = completion.ValueCodes(_values_host(values, 400), 4, iters=5, seed=0)
+    want = weights.transpose(-1, -2) @ pq.reconstruct(summary.codes, summary.centroids)
+    torch.testing.assert_close(summary.output(weights), want, rtol=1e-5, atol=1e-5)
+    assert summary.nbytes == 400 * 4 + completion.VALUE_CENTROIDS * 8 * 4
 
 
 def test_value_means_follow_appended_tokens_and_new_codebooks():
@@ -205,6 +260,7 @@ def test_mass_cut_keeps_the_fewest_picks_that_reach_the_target_and_the_floor():
         ({"mass_floor_tokens": -1}, "mass_floor_tokens must be an int >= 0"),
         ({"mass_window_tokens": 0}, "mass_window_tokens must be an int >= 1"),
         ({"completion": "yes"}, "completion must be True or False, got 'yes'"),
+        ({"value_codes": -1}, "value_codes must be an int >= 0"),
     ],
 )
 def test_bad_mass_and_completion_settings_are_refused(kwargs, match):

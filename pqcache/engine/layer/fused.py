@@ -44,6 +44,7 @@ def applies(layer, query, softcap, new_valid) -> bool:
         and window.k.dtype in KV_KINDS
         and pq_method.searches_natively(index, query.shape[1] // host.H)
         and layer.config.gqa_combine in native_select.MODES
+        and not (layer.config.completion and layer.config.value_codes)  # the call sums values by key cell
     )
 
 

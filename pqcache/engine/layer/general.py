@@ -74,11 +74,9 @@ def completed(layer, out, att, estimate, top, top_valid, softcap) -> torch.Tenso
     unselected = layer.candidates()[:, None, :] & ~chosen  # (B, H, S)
     if not bool(unselected.any()):
         return out
-    index = layer.method_state["index"]
-    cells = completion.token_cells(index, host.S)  # (B, H, m, S)
-    means = completion.value_means(layer.method_state, index, host).means()
+    summary = completion.value_summary(layer.method_state, layer.method_state["index"], host, layer.config)
     scores = estimate.scores if softcap is None else torch.tanh(estimate.scores / softcap) * softcap
-    part_lse, part_out = completion.unselected_part(scores, unselected, cells, means)
+    part_lse, part_out = completion.unselected_part(scores, unselected, summary)
     B, Q, Hq, D = out.shape
     rows = out.transpose(1, 2).reshape(B, host.H, -1, D)  # (B, H, R, D): R = G*Q, as q's rows
     merged = completion.merge(rows, att.float().logsumexp(-1), part_out, part_lse)
