@@ -71,9 +71,9 @@ class ValueMeans:
             self.counts.scatter_add_(2, cells[:, :, j], real.expand_as(cells[:, :, j]))
         self.done = S
 
-    def summed_elsewhere(self, n: int) -> None:
+    def filed_elsewhere(self, n: int) -> None:
         """The next n positions were summed into sums and counts by another implementation of update (the fused C
-        step sums the token it files: native/pq_step.c's sum_into_cells)."""
+        step sums the token it files: native/pq_step.c's file_value)."""
         self.done += n
 
     def means(self) -> torch.Tensor:
@@ -116,15 +116,29 @@ class ValueCodes:
             for h in range(H)
         ]
         self.centroids = torch.stack(per_head).view(B, H, *per_head[0].shape).to(host.device)  # (B, H, n, C, d)
-        self.codes = torch.zeros((B, H, n_sub, 0), dtype=torch.uint8, device=host.device)
+        self.codes = torch.zeros((B, H, n_sub, host.S), dtype=torch.uint8, device=host.device)  # room for S'' >= done
+        self.done = 0  # positions coded
         self.update(host)
 
     def update(self, host) -> None:
         """Code the values of the positions stored since the last update."""
-        done = self.codes.shape[-1]
-        if host.S > done:
-            values = host.values(done, host.S, device=self.centroids.device, dtype=torch.float32)
-            self.codes = torch.cat([self.codes, pq.encode(values, self.centroids, "l2")], dim=-1)
+        if host.S > self.done:
+            self.reserve(host.S)
+            values = host.values(self.done, host.S, device=self.centroids.device, dtype=torch.float32)
+            self.codes[..., self.done : host.S] = pq.encode(values, self.centroids, "l2")
+            self.done = host.S
+
+    def reserve(self, n: int) -> None:
+        """Room for the codes of n positions (doubling: a decode step codes one)."""
+        if n > self.codes.shape[-1]:
+            grown = torch.zeros((*self.codes.shape[:3], max(n, 2 * self.codes.shape[-1])), dtype=torch.uint8)
+            grown[..., : self.done] = self.codes[..., : self.done]
+            self.codes = grown.to(self.codes.device)
+
+    def filed_elsewhere(self, n: int) -> None:
+        """The next n positions were coded by another implementation of update (the fused C step codes the value of
+        the token it files: native/pq_step.c's file_value)."""
+        self.done += n
 
     def output(self, weights: torch.Tensor) -> torch.Tensor:
         """weights (B, H, S, R) of the stored tokens -> sum_t weights_t v~_t (B, H, R, D): per sub-space, the
@@ -139,7 +153,7 @@ class ValueCodes:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.numel() + self.centroids.numel() * 4
+        return self.done * self.codes.shape[1] * self.codes.shape[2] * self.codes.shape[0] + self.centroids.numel() * 4
 
 
 def value_summary(state: dict, index, host, config):

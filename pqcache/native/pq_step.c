@@ -56,6 +56,25 @@ typedef struct {
   int64_t m, C, code_head, code_sub, residual_head;
 } Index;
 
+/* What completion reads the values left out from (engine/completion.py). By key cell, where codes is NULL: sums
+   (Hk, m C, D) each PQ cell's values summed, counts (Hk, m C) how many (ValueMeans: a value is the mean over its
+   key's m cells of their mean values). Else by the values' own codes: head c's sub-space j's code of token t at
+   codes[c * code_head + j * code_sub + t], centroids (Hk, n, C, D/n) (ValueCodes: a value is its codes' centroids
+   put together). */
+typedef struct {
+  float *sums, *counts;
+  uint8_t *codes;
+  const float *centroids;
+  int64_t n, C, code_head, code_sub;
+} Values;
+
+/* The cells a token's weight is summed into, one head's: n sub-spaces of C cells, token t's in sub-space j
+   codes[j * code_sub + t] (the key index's cells, or the values' codes) */
+typedef struct {
+  const uint8_t *codes;
+  int64_t n, C, code_sub;
+} Cells;
+
 /* where head c's token t's residual goes (NULL where the index keeps none) */
 static inline float *residual_at(const Index *X, int64_t c, int64_t t) {
   return X->residuals ? X->residuals + c * X->residual_head + t : NULL;
@@ -110,18 +129,37 @@ static void file_token(const float *k, const float *v, int64_t Hk, int64_t D, co
   *T->slot_pos = t;
 }
 
-/* the filed token's value (its row in the host tier's own store, as stored) summed into its m cells of each head's
-   sums (Hk, m C, D), each cell's count (Hk, m C) one more: completion.ValueMeans.update's sums for one token, in
-   the same order. v: D floats of scratch. */
-static void sum_into_cells(int64_t Hk, int64_t D, const Index *X, int64_t t, const Token *T, float *sums,
-                           float *counts, float *v) {
+/* The filed token's value (its row in the host tier's own store, as stored) into V: by key cell, summed into its m
+   cells of each head's sums, each cell's count one more (completion.ValueMeans.update's sums for one token, in the
+   same order); by the values' codes, its codes written at t, the nearest centroid of each sub-space
+   (pq.encode's rule: the largest v . c - |c|^2 / 2). v: D floats of scratch. */
+static void file_value(int64_t Hk, int64_t D, const Index *X, int64_t t, const Token *T, const Values *V, float *v) {
   int64_t m = X->m, P = m * X->C, own = kv_bytes((int)T->own_kind);
   for (int64_t c = 0; c < Hk; c++) {
     widen_row((const char *)T->own_v + c * T->own_head * own, (int)T->own_kind, v, D);
-    for (int64_t j = 0; j < m; j++) {
-      int64_t cell = c * P + j * X->C + X->codes[c * X->code_head + j * X->code_sub + t];
-      for (int64_t d = 0; d < D; d++) sums[cell * D + d] += v[d];
-      counts[cell] += 1.0f;
+    if (V->codes == NULL) {
+      for (int64_t j = 0; j < m; j++) {
+        int64_t cell = c * P + j * X->C + X->codes[c * X->code_head + j * X->code_sub + t];
+        for (int64_t d = 0; d < D; d++) V->sums[cell * D + d] += v[d];
+        V->counts[cell] += 1.0f;
+      }
+      continue;
+    }
+    int64_t d_sub = D / V->n;
+    for (int64_t j = 0; j < V->n; j++) {
+      const float *cent = V->centroids + (c * V->n + j) * V->C * d_sub, *x = v + j * d_sub;
+      float best = -INFINITY;
+      int64_t code = 0;
+      for (int64_t e = 0; e < V->C; e++) {
+        float dot = 0.0f, half = 0.0f;
+        for (int64_t d = 0; d < d_sub; d++) {
+          dot += x[d] * cent[e * d_sub + d];
+          half += cent[e * d_sub + d] * cent[e * d_sub + d];
+        }
+        float score = dot - 0.5f * half;
+        if (score > best) best = score, code = e;
+      }
+      V->codes[c * V->code_head + j * V->code_sub + t] = (uint8_t)code;
     }
   }
 }
@@ -139,12 +177,11 @@ static inline void approx_scores(const float *tables, const Index *X, const uint
   for (int64_t g = 0; g < G; g++) s[g] += offset[g];
 }
 
-/* w (G,) into token t's m cells of cells (m C, G): four query rows at once where there are four (Gemma 3's and
+/* w (G,) into token t's n cells of cells (n C, G): four query rows at once where there are four (Gemma 3's and
    Llama 3's heads; a loop over a G known only at run time adds one float at a time) */
-static inline void add_to_cells(float *cells, const Index *X, const uint8_t *codes, int64_t t, int64_t G,
-                                const float *w) {
-  for (int64_t j = 0; j < X->m; j++) {
-    float *cell = cells + (j * X->C + codes[j * X->code_sub + t]) * G;
+static inline void add_to_cells(float *cells, const Cells *K, int64_t t, int64_t G, const float *w) {
+  for (int64_t j = 0; j < K->n; j++) {
+    float *cell = cells + (j * K->C + K->codes[j * K->code_sub + t]) * G;
     int64_t g = 0;
 #if defined(__SSE2__)
     for (; g + 4 <= G; g += 4) _mm_storeu_ps(cell + g, _mm_add_ps(_mm_loadu_ps(cell + g), _mm_loadu_ps(w + g)));
@@ -192,13 +229,14 @@ typedef struct {
   const float *rows, *e, *top;
 } Searched;
 
-/* the candidates' weights exp(score + offset - best) (G per token) summed by cell into cells (m C, G; NULL: only
+/* the candidates' weights exp(score + offset - best) (G per token) summed by cell (into's) into cells (NULL: only
    z) and over the tokens into z (G,), tokens [t0, t1) that are candidates and not marked. From the search's
    exponentials where it kept them (scale: exp(top + offset - best), so no exponential is taken here), else from its
    scores where it kept them, else from the codes. */
 static void weigh_candidates(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand,
                              const uint8_t *mark, int64_t n, int64_t t0, int64_t t1, int64_t G, const Searched *found,
-                             const float *offset, const float *best, const float *scale, float *cells, double *z) {
+                             const float *offset, const float *best, const float *scale, const Cells *into,
+                             float *cells, double *z) {
   float sc[COMPLETE_BLOCK], w[64];
   double sum[64] = {0}; /* z's share, added once: the threads' z share a cache line */
   int64_t who[COMPLETE_BLOCK], count = 0;
@@ -209,7 +247,7 @@ static void weigh_candidates(const float *tables, const Index *X, const uint8_t 
           w[g] = found->e[g * n + t] * scale[g];
           sum[g] += w[g];
         }
-        if (cells) add_to_cells(cells, X, codes, t, G, w);
+        if (cells) add_to_cells(cells, into, t, G, w);
       }
   } else {
     for (int64_t t = t0; t < t1; t++)
@@ -225,7 +263,7 @@ static void weigh_candidates(const float *tables, const Index *X, const uint8_t 
     for (int64_t i = 0; i < count * G; i++) sc[i] = exp_nonpositive(sc[i]); /* vectorized */
     for (int64_t c = 0; c < count; c++) {
       for (int64_t g = 0; g < G; g++) sum[g] += sc[c * G + g];
-      if (cells) add_to_cells(cells, X, codes, who[c], G, sc + c * G);
+      if (cells) add_to_cells(cells, into, who[c], G, sc + c * G);
     }
   }
   for (int64_t g = 0; g < G; g++) z[g] += sum[g];
@@ -234,18 +272,23 @@ static void weigh_candidates(const float *tables, const Index *X, const uint8_t 
 /* Completion (engine/completion.py) for one KV head: the candidates that are not picks, their part of the softmax
    estimated and summed by cell. A candidate of the re-rank (top: wide positions, exact (wide, G) their exact scores)
    scores exactly, another its PQ score shifted by the calibration offset (engine/mass.py: the exact scores'
-   log-sum-exp over the re-rank's candidates less their PQ scores'); its value is the mean over the sub-spaces of its
-   cells' mean values (sums (m C, D) each cell's values summed, counts (m C,) how many: a mean is sums over at
-   least 1). picked: the k of top taken (idx). -> lse (G,) the part's log-sum-exp (-inf where no token is left out)
-   and, where sums is not NULL, out (G, D) its output, normalised over the part (sums NULL: the log-sum-exp alone,
-   for the budget in mass). mark: n bytes of scratch. The same arithmetic as completion.unselected_part, summed in
-   another order (and split between the threads from COMPLETE_SPLIT candidates on: each its own cells, added in
-   thread order). 0, or -1 without scratch memory. */
+   log-sum-exp over the re-rank's candidates less their PQ scores'); its value is what V (this head's) gives: the
+   mean over the sub-spaces of its key cells' mean values (a mean is sums over at least 1), or its codes'
+   centroids. The weights are summed by cell (key cells or value codes) and each cell's value read once. picked:
+   the k of top taken (idx). -> lse (G,) the part's log-sum-exp (-inf where no token is left out) and, where V is not
+   NULL, out (G, D) its output, normalised over the part (V NULL: the log-sum-exp alone, for the budget in mass).
+   mark: n bytes of scratch. The same arithmetic as completion.unselected_part, summed in another order (and split
+   between the threads from COMPLETE_SPLIT candidates on: each its own cells, added in thread order). 0, or -1
+   without scratch memory. */
 static int unselected_part(const float *tables, const Index *X, const uint8_t *codes, const uint8_t *cand, int64_t n,
                            const Searched *found, const int64_t *top, const float *exact, int64_t wide,
-                           const int64_t *idx, int64_t k, int64_t G, const float *sums, const float *counts,
-                           int64_t D, uint8_t *mark, float *lse, float *out) {
-  int64_t m = X->m, P = m * X->C;
+                           const int64_t *idx, int64_t k, int64_t G, const Values *V, int64_t D, uint8_t *mark,
+                           float *lse, float *out) {
+  int64_t m = X->m;
+  int by_code = V != NULL && V->codes != NULL;
+  Cells into = {codes, m, X->C, X->code_sub};
+  if (by_code) into = (Cells){V->codes, V->n, V->C, V->code_sub};
+  int64_t P = into.n * into.C;
   int threads = n >= COMPLETE_SPLIT ? omp_get_max_threads() : 1;
   float *cells = calloc((size_t)threads * P * G, sizeof(float)); /* each thread's (m C, G) sums */
   double *z = calloc((size_t)threads * G, sizeof(double));
@@ -295,7 +338,7 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
         w[g] = known[i * G + g] * emax[g];
         z[g] += w[g];
       }
-      if (sums) add_to_cells(cells, X, codes, top[i], G, w);
+      if (V) add_to_cells(cells, &into, top[i], G, w);
     }
   int64_t per_block = COMPLETE_BLOCK / G; /* tokens a block: their scores, then one loop of exponentials */
 #pragma omp parallel num_threads(threads)
@@ -304,24 +347,27 @@ static int unselected_part(const float *tables, const Index *X, const uint8_t *c
 #pragma omp for schedule(static)
     for (int64_t t0 = 0; t0 < n; t0 += per_block)
       weigh_candidates(tables, X, codes, cand, mark, n, t0, t0 + per_block < n ? t0 + per_block : n, G, found,
-                       offset, best, scale, sums ? cells + (int64_t)th * P * G : NULL, z + th * G);
+                       offset, best, scale, &into, V ? cells + (int64_t)th * P * G : NULL, z + th * G);
   }
   for (int th = 1; th < threads; th++) { /* the threads' sums, in thread order */
     for (int64_t i = 0; i < P * G; i++) cells[i] += cells[(int64_t)th * P * G + i];
     for (int64_t g = 0; g < G; g++) z[g] += z[th * G + g];
   }
-  float inverse[64]; /* each cell's weight a row, over the part's sum and the m sub-spaces' mean */
+  float inverse[64]; /* each cell's weight a row, over the part's sum (and, by key cell, the m sub-spaces' mean) */
   for (int64_t g = 0; g < G; g++) {
     lse[g] = z[g] == 0.0 ? -INFINITY : best[g] + (float)log(z[g]);
-    inverse[g] = z[g] == 0.0 ? 0.0f : (float)(1.0 / (z[g] * m));
+    inverse[g] = z[g] == 0.0 ? 0.0f : (float)(1.0 / (z[g] * (by_code ? 1 : m)));
   }
-  if (sums) memset(out, 0, sizeof(float) * G * D);
-  for (int64_t c = 0; sums && c < P; c++) { /* each cell's values read once for the G rows */
-    float per_token = 1.0f / (counts[c] > 1.0f ? counts[c] : 1.0f);
+  if (V) memset(out, 0, sizeof(float) * G * D);
+  int64_t d_sub = by_code ? D / V->n : D; /* a cell's value: a sub-space's part of the row, or the whole row */
+  for (int64_t c = 0; V && c < P; c++) { /* each cell's value read once for the G rows */
+    float per_token = by_code ? 1.0f : 1.0f / (V->counts[c] > 1.0f ? V->counts[c] : 1.0f);
+    const float *value = by_code ? V->centroids + c * d_sub : V->sums + c * D;
+    int64_t at = by_code ? c / V->C * d_sub : 0; /* where in the row it goes */
     for (int64_t g = 0; g < G; g++) {
-      float wc = cells[c * G + g] * inverse[g] * per_token, *o = out + g * D;
+      float wc = cells[c * G + g] * inverse[g] * per_token, *o = out + g * D + at;
       if (wc != 0.0f)
-        for (int64_t d = 0; d < D; d++) o[d] += wc * sums[c * D + d];
+        for (int64_t d = 0; d < d_sub; d++) o[d] += wc * value[d];
     }
   }
   free(cells);
@@ -380,11 +426,11 @@ static int cut_by_mass(const float *fixed, int64_t n_fixed, const float *exact, 
 }
 
 /* Completion's part (lse (G,), out (G, D) normalised over it: unselected_part's) with the picks the mass left out
-   added: each weighs exp(its exact score) and brings the mean over the sub-spaces of its cells' mean values, as
-   unselected_part weighs the re-rank's candidates it leaves out (the general step's sum, in another order). */
+   added: each weighs exp(its exact score) and brings its value as V (this head's) gives it, as unselected_part
+   weighs the re-rank's candidates it leaves out (the general step's sum, in another order). */
 static void add_dropped(const Index *X, const uint8_t *codes, const int64_t *top, const int64_t *idx,
-                        const float *exact, const uint8_t *kept, int64_t k, int64_t G, const float *sums,
-                        const float *counts, int64_t D, float *lse, float *out) {
+                        const float *exact, const uint8_t *kept, int64_t k, int64_t G, const Values *V, int64_t D,
+                        float *lse, float *out) {
   for (int64_t g = 0; g < G; g++) {
     float best = lse[g], *o = out + g * D;
     for (int64_t i = 0; i < k; i++)
@@ -395,11 +441,20 @@ static void add_dropped(const Index *X, const uint8_t *codes, const int64_t *top
     for (int64_t i = 0; i < k; i++) {
       if (kept[i]) continue;
       float w = expf(exact[idx[i] * G + g] - best);
+      int64_t t = top[idx[i]];
       total += w;
+      if (V->codes != NULL) {
+        int64_t d_sub = D / V->n;
+        for (int64_t j = 0; j < V->n; j++) {
+          const float *value = V->centroids + (j * V->C + V->codes[j * V->code_sub + t]) * d_sub;
+          for (int64_t d = 0; d < d_sub; d++) o[j * d_sub + d] += w * value[d];
+        }
+        continue;
+      }
       for (int64_t j = 0; j < X->m; j++) {
-        int64_t cell = j * X->C + codes[j * X->code_sub + top[idx[i]]];
-        float f = w / X->m / (counts[cell] > 1.0f ? counts[cell] : 1.0f);
-        for (int64_t d = 0; d < D; d++) o[d] += f * sums[cell * D + d];
+        int64_t cell = j * X->C + codes[j * X->code_sub + t];
+        float f = w / X->m / (V->counts[cell] > 1.0f ? V->counts[cell] : 1.0f);
+        for (int64_t d = 0; d < D; d++) o[d] += f * V->sums[cell * D + d];
       }
     }
     for (int64_t d = 0; d < D; d++) o[d] = (float)(o[d] / total);
@@ -412,9 +467,9 @@ static void add_dropped(const Index *X, const uint8_t *codes, const int64_t *top
    token, whose k_new, v_new (Hk, D) float32 this call writes into the last slot) -> pos (Hk, k) the picks in
    position order and out (Hq D,) the attention's output. Where T is not NULL, the new token, at position t, is also
    filed as pq_append files it: its codes from the tables' pass, its ring slot written after the attention has read
-   the token it replaces. Where sums is not NULL (Hk, m C, D: each PQ cell's values summed, counts (Hk, m C) how
-   many: completion.ValueMeans), the candidates left out are estimated and merged in by log-sum-exp (completion:
-   unselected_part), and a token filed here has its value summed into its cells. row_scale (Hq,), where not NULL:
+   the token it replaces. Where V is not NULL (what completion reads the values from: Values), the candidates left
+   out are estimated and merged in by log-sum-exp (completion: unselected_part), and a token filed here has its
+   value filed in V (file_value). row_scale (Hq,), where not NULL:
    the search ranks by the PQ score + row_scale x the token's residual (pq_search_rows). mass in (0, 1): a budget in
    mass (cut_by_mass, at least mass_floor picks), the picks kept written to kept (Hk, k) and the others left out of
    the attention (estimated, under completion); else every pick is attended. 0, or -1 without scratch memory (or
@@ -422,8 +477,8 @@ static void add_dropped(const Index *X, const uint8_t *codes, const int64_t *top
 int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, const Index *X, const uint8_t *cand,
             int64_t n, int sum_mode, int64_t wide, int64_t k, const float *row_scale, const Stores *S, void *wk,
             void *wv, int64_t w_kind, int64_t head_stride, int64_t n_slots, int64_t *pos, float *out,
-            const float *k_new, const float *v_new, const float *half_norm, int64_t t, const Token *T, float *sums,
-            float *counts, float mass, int64_t mass_floor, uint8_t *kept) {
+            const float *k_new, const float *v_new, const float *half_norm, int64_t t, const Token *T, const Values *V,
+            float mass, int64_t mass_floor, uint8_t *kept) {
   int64_t G = Hq / Hk, m = X->m, C = X->C, d = D / X->m;
   float searched_top[16]; /* pq_select.c's MAX_ROWS: it refuses more rows */
   float *qs = malloc(sizeof(float) * Hq * D), *tables = malloc(sizeof(float) * m * C * G);
@@ -438,19 +493,19 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
   int cutting = mass > 0.0f && mass < 1.0f;
   int64_t n_fixed = n_slots - 1, *slots = NULL;
   float *fixed = NULL;
-  if (sums) {
+  if (V) {
     part_lse = malloc(sizeof(float) * Hq), part_out = malloc(sizeof(float) * Hq * D);
     sel_lse = malloc(sizeof(float) * Hq);
   }
-  if (sums || cutting) mark = malloc(n);
+  if (V || cutting) mark = malloc(n);
   if (cutting) {
     slots = malloc(sizeof(int64_t) * (n_fixed > 0 ? n_fixed : 1));
     fixed = malloc(sizeof(float) * (n_fixed > 0 ? n_fixed : 1) * G);
     for (int64_t j = 0; slots && j < n_fixed; j++) slots[j] = j;
   }
   int failed = !qs || !tables || !exact || !scores || !top || !local || !idx || !valid;
-  failed = failed || (sums && (!part_lse || !part_out || !sel_lse || G > 64));
-  failed = failed || ((sums || cutting) && !mark) || (cutting && (!slots || !fixed || G > 64));
+  failed = failed || (V && (!part_lse || !part_out || !sel_lse || G > 64));
+  failed = failed || ((V || cutting) && !mark) || (cutting && (!slots || !fixed || G > 64));
   for (int64_t i = 0; !failed && i < Hq * D; i++) qs[i] = q[i] * scaling; /* methods' q * scaling, in float32 */
   for (int64_t c = 0; !failed && c < Hk; c++) { /* the new token's slot, rounded as torch's copy rounds it */
     int64_t slot = (c * head_stride + (n_slots - 1) * D) * kv_bytes((int)w_kind);
@@ -465,7 +520,7 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     Searched found = {NULL, NULL, NULL}; /* what completion reads: kept only under completion */
     const float *scale = row_scale ? row_scale + c * G : NULL;
     const float *residuals = row_scale ? X->residuals + c * X->residual_head : NULL;
-    int estimating = sums || cutting; /* the search's PQ scores (and exponentials) kept for the estimate */
+    int estimating = V || cutting; /* the search's PQ scores (and exponentials) kept for the estimate */
     failed = pq_search_rows(tables, m, C, G, X->codes + c * X->code_head, X->code_sub, n, cand, sum_mode, wide, scale,
                             residuals, top, estimating ? &found.rows : NULL, estimating ? &found.e : NULL,
                             searched_top);
@@ -480,17 +535,23 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     }
     /* the candidates that are not picks, in one pass: completion's part, and the budget in mass's softmax */
     const uint8_t *codes = X->codes + c * X->code_head;
-    float rest_lse[64], *lse = sums ? part_lse + c * G : rest_lse;
-    const float *sums_c = sums ? sums + c * m * C * D : NULL, *counts_c = sums ? counts + c * m * C : NULL;
+    float rest_lse[64], *lse = V ? part_lse + c * G : rest_lse;
+    Values head = {NULL, NULL, NULL, NULL, 0, 0, 0, 0}; /* V's part for this head */
+    if (V && V->codes == NULL) head = (Values){V->sums + c * m * C * D, V->counts + c * m * C, NULL, NULL, 0, 0, 0, 0};
+    if (V && V->codes != NULL) {
+      head = *V;
+      head.codes = V->codes + c * V->code_head;
+      head.centroids = V->centroids + c * V->n * V->C * (D / V->n);
+    }
     if (!failed && estimating)
-      failed = unselected_part(tables, X, codes, cand, n, &found, top, exact, wide, idx, k, G, sums_c, counts_c, D,
-                               mark, lse, sums ? part_out + c * G * D : NULL);
+      failed = unselected_part(tables, X, codes, cand, n, &found, top, exact, wide, idx, k, G, V ? &head : NULL, D,
+                               mark, lse, V ? part_out + c * G * D : NULL);
     if (!failed && cutting) {
       size_t size = (size_t)kv_bytes((int)w_kind);
       gather_dot((const char *)wk + c * head_stride * size, (int)w_kind, D, slots, n_fixed, qc, G, D, fixed);
       failed = cut_by_mass(fixed, n_fixed, exact, idx, k, lse, G, mass, mass_floor, valid + c * k);
-      if (!failed && sums)
-        add_dropped(X, codes, top, idx, exact, valid + c * k, k, G, sums_c, counts_c, D, lse, part_out + c * G * D);
+      if (!failed && V)
+        add_dropped(X, codes, top, idx, exact, valid + c * k, k, G, &head, D, lse, part_out + c * G * D);
     }
   }
   if (!failed && kept) memcpy(kept, valid, Hk * k);
@@ -498,7 +559,7 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     failed = attend_picks_lse(q, Hq, wk, wv, w_kind, Hk, head_stride, n_slots, D, scaling, k, scores, valid, pos,
                               S->S0 ? S->shared_v : NULL, S->shared_head, S->S0, S->own_v, S->own_head, S->kind, out,
                               NULL, sel_lse);
-  for (int64_t h = 0; !failed && sums && h < Hq; h++) { /* completion.merge: two parts of one softmax */
+  for (int64_t h = 0; !failed && V && h < Hq; h++) { /* completion.merge: two parts of one softmax */
     if (part_lse[h] == -INFINITY) continue;
     float top_lse = sel_lse[h] > part_lse[h] ? sel_lse[h] : part_lse[h];
     double a = exp((double)sel_lse[h] - top_lse), b = exp((double)part_lse[h] - top_lse);
@@ -506,7 +567,7 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     for (int64_t e = 0; e < D; e++) out[h * D + e] = wa * out[h * D + e] + wb * part_out[h * D + e];
   }
   if (!failed && T) file_token(k_new, v_new, Hk, D, X, t, T);
-  if (!failed && T && sums) sum_into_cells(Hk, D, X, t, T, sums, counts, part_out);
+  if (!failed && T && V) file_value(Hk, D, X, t, T, V, part_out);
   free(qs);
   free(tables);
   free(exact);

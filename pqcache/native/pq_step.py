@@ -18,6 +18,14 @@ class _Index(ctypes.Structure):
     _fields_ += [(name, ctypes.c_int64) for name in ("m", "C", "code_head", "code_sub", "residual_head")]
 
 
+class _Values(ctypes.Structure):
+    """pq_step.c's Values: what completion reads the values left out from (a PQ cell's sums and counts, or the
+    values' own codes and centroids), by address."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("sums", "counts", "codes", "centroids")]
+    _fields_ += [(name, ctypes.c_int64) for name in ("n", "C", "code_head", "code_sub")]
+
+
 class _Stores(ctypes.Structure):
     """pq_step.c's Stores: the host tier's key and value rows, a fork's parent part and its own, by address."""
 
@@ -46,6 +54,7 @@ def pq_step(
     cells=None,
     row_scale=None,
     mass=None,
+    value_codes=None,
 ):
     """A PQ layer's selection and attention for one token in one C call: pq_top's search for `wide` candidates, the
     re-rank's exact scores and combined_top's k picks (counts = (k, wide)), then attend_picks, with the same kernels
@@ -60,6 +69,9 @@ def pq_step(
     the output (1, Hq * D). cells: (sums (Hk, m C, D), counts (Hk, m C)) float32 and contiguous, each PQ cell's
     values summed and how many (engine/completion.ValueMeans), or None: with them the candidates not picked are
     estimated and merged into the output (completion), and a token filed here is summed into its cells in place.
+    value_codes: (codes (Hk, n, S'') uint8, centroids (Hk, n, C, D/n) float32), the values' own PQ codes
+    (engine/completion.ValueCodes), instead of cells: the same, each value read as its codes give it, and a token
+    filed here has its value's codes written at its position (S'' past it).
     row_scale (Hq,) float32, or None: the search ranks each token by its PQ score + row_scale x its residual
     (methods/pqcache.spreads; index's residuals (Hk, S') float32). mass: (target, floor) a budget in mass (the
     fewest picks whose estimated share reaches target, at least floor: methods/estimate.estimate_and_cut), or None
@@ -79,16 +91,13 @@ def pq_step(
     stored = S0 + (0 if own_k is None else own_k.shape[1])
     if not 0 < k < wide <= cand.shape[0] <= min(codes.shape[-1], stored) or q.dtype != torch.float32:
         raise ValueError(f"pq_step: k {k}, wide {wide}, {cand.shape[0]} tokens, q {q.dtype}")
-    sums, counts = (None, None) if cells is None else cells
     if cells is not None:
+        sums, counts = cells
         P = index[0].shape[1] * index[0].shape[2]  # m C
-        alike = sums.shape == (Hk, P, D) and counts.shape == (Hk, P) and Hq // Hk <= 64
-        if (
-            not alike
-            or {sums.dtype, counts.dtype} != {torch.float32}
-            or not (sums.is_contiguous() and counts.is_contiguous())
-        ):
+        alike = sums.shape == (Hk, P, D) and counts.shape == (Hk, P)
+        if not alike or {sums.dtype, counts.dtype} != {torch.float32}:
             raise ValueError(f"pq_step: cells {tuple(sums.shape)}, {tuple(counts.shape)}: not ({Hk}, {P}, {D}) float32")
+    V = _values(cells, value_codes, Hk, D, Hq, 0 if token is None else token[1])
     X, keep = _index(index, D)
     q, cand, new = q.contiguous(), cand.contiguous(), _rows(k_new, v_new, Hk, D)
     if row_scale is not None:
@@ -121,7 +130,8 @@ def pq_step(
         n_slots,
     )
     args += (pos.data_ptr(), out.data_ptr(), new[0].data_ptr(), new[1].data_ptr(), address(norms), t)
-    args += (None if T is None else ctypes.byref(T), address(sums), address(counts), target, floor, kept.data_ptr())
+    args += (None if T is None else ctypes.byref(T), None if V is None else ctypes.byref(V), target, floor)
+    args += (kept.data_ptr(),)
     if native.library().pq_step(*args):
         raise MemoryError("pq_step: no scratch memory")
     del keep  # the centroids the C call read (a copy where they were not contiguous)
@@ -142,6 +152,35 @@ def pq_append(new: tuple, index: tuple, token: tuple):
     address = 0 if norms is None else norms.data_ptr()
     native.library().pq_append(k.data_ptr(), v.data_ptr(), Hk, D, ctypes.byref(X), address, t, ctypes.byref(T))
     del keep
+
+
+def _values(cells, value_codes, Hk: int, D: int, Hq: int, t: int):
+    """pq_step's cells or value_codes (at most one) -> the C Values, or None."""
+    if cells is None and value_codes is None:
+        return None
+    if Hq // Hk > 64 or (cells is not None and value_codes is not None):
+        raise ValueError("pq_step: completion takes at most 64 query rows a KV head, and cells or codes, not both")
+    if cells is not None:
+        sums, counts = cells
+        if not (sums.is_contiguous() and counts.is_contiguous()):
+            raise ValueError("pq_step: cells' sums and counts must be contiguous")
+        return _Values(sums.data_ptr(), counts.data_ptr(), 0, 0, 0, 0, 0, 0)
+    codes, centroids = value_codes
+    _, n, C, d = centroids.shape
+    if (
+        codes.dtype != torch.uint8
+        or codes.stride(-1) != 1
+        or codes.shape[:2] != (Hk, n)
+        or not t < codes.shape[-1]
+        or centroids.dtype != torch.float32
+        or not centroids.is_contiguous()
+        or centroids.shape[0] != Hk
+        or n * d != D
+        or C > 256
+    ):
+        shapes = f"{tuple(codes.shape)}, centroids {tuple(centroids.shape)}"
+        raise ValueError(f"pq_step: value codes {shapes} for {Hk} heads of {D}")
+    return _Values(0, 0, codes.data_ptr(), centroids.data_ptr(), n, C, codes.stride(0), codes.stride(1))
 
 
 def _index(index: tuple, D: int):

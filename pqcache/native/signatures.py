@@ -33,7 +33,7 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.pq_step.restype = ctypes.c_int
     lib.pq_step.argtypes = [pointer] + [size] * 3 + [ctypes.c_float, pointer, pointer, size, ctypes.c_int, size, size]
     lib.pq_step.argtypes += [pointer]  # row_scale
-    lib.pq_step.argtypes += [pointer] * 3 + [size] * 3 + [pointer] * 5 + [size, pointer, pointer, pointer]
+    lib.pq_step.argtypes += [pointer] * 3 + [size] * 3 + [pointer] * 5 + [size, pointer, pointer]  # ..., t, T, V
     lib.pq_step.argtypes += [ctypes.c_float, size, pointer]  # mass, mass_floor, kept
     lib.pq_append.restype = None
     lib.pq_append.argtypes = [pointer] * 2 + [size] * 2 + [pointer] * 2 + [size, pointer]

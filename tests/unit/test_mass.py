@@ -137,7 +137,7 @@ def test_value_codes_give_each_token_its_own_coded_value():
     state = {}
     completion.value_summary(state, index, _values_host(values, 200), config)  # trained on the first 200
     summary = completion.value_summary(state, index, _values_host(values, S), config)
-    assert summary.codes.shape == (B, H, n, S)
+    assert summary.done == S and summary.codes.shape[:3] == (B, H, n)
     lse, part = completion.unselected_part(scores, unselected, summary)
     weights = scores.masked_fill(~unselected[..., None], float("-inf")).softmax(2)  # (B, H, S, R)
     torch.testing.assert_close(part, weights.transpose(-1, -2) @ values, rtol=1e-5, atol=1e-5)
@@ -341,12 +341,12 @@ def test_the_tokens_attended_a_step_are_counted_on_every_path():
     assert floor <= runs["mass"].attended_per_step() < runs["fixed"].attended_per_step()
 
 
-def _greedy_on_a_fork(model, parent, token, n: int, picked: list | None = None):
+def _greedy_on_a_fork(model, parent, token, n: int, picked: list | None = None, check=None):
     """n greedy one-token steps on a fork of the prefilled `parent` from token (1, 1): (tokens (1, n), logits (n,
     1, V)); `picked`, where given, gets each PQ layer's picks attended over the steps. Both paths compared decode
     forks of one prefill: two prefills of the same text can differ in the last bit of some keys (in about 1 process
     of 12 here, the keys from about position 200 of 400 on, MKL_DYNAMIC=FALSE or not; the cause is not found), and
-    the K-Means with them."""
+    the K-Means with them. check(fork), where given, runs before the fork closes."""
     fork, tokens, scores = parent.fork("pqcache"), [], []
     for _ in range(n):
         logits = model(token, cache=fork).logits[:, -1]
@@ -355,24 +355,49 @@ def _greedy_on_a_fork(model, parent, token, n: int, picked: list | None = None):
         scores.append(logits)
     if picked is not None:
         picked.extend(layer.counters["picked"] for layer in fork.pq_layers)
+    if check is not None:
+        check(fork)
     fork.close()
     return torch.cat(tokens, 1), torch.stack(scores)
 
 
+def _values_coded_as_the_general_step(cache):
+    """Each PQ layer's value codes, where it keeps them, cover every value it stores (the fused step codes the value
+    of each token it files), each a nearest centroid: pq.encode's code, or one as near within float rounding (a
+    codebook of 256 centroids over a few hundred values holds near-copies, whose order float32 sums decide)."""
+    from pqcache.engine import pq
+
+    for layer in cache.pq_layers:
+        summary = layer.method_state.get(completion.VALUE_CODES)
+        if summary is None:
+            continue
+        assert summary.done == layer.host.S
+        values = layer.host.values(0, summary.done, dtype=torch.float32)
+        codes, want = summary.codes[..., : summary.done], pq.encode(values, summary.centroids, "l2")
+        n, d = codes.shape[2], values.shape[-1] // codes.shape[2]
+        parts = values.double().unflatten(-1, (n, d)).transpose(2, 3)  # (B, H, n, S, d)
+        dist = torch.cdist(parts, summary.centroids.double()) ** 2  # (B, H, n, S, C)
+        got, best = dist.gather(-1, codes.long()[..., None]), dist.gather(-1, want.long()[..., None])
+        assert float((codes != want).float().mean()) < 0.05
+        torch.testing.assert_close(got, best, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
-def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch, monkeypatch):
+@pytest.mark.parametrize("value_codes", [0, 2], ids=["mean per key cell", "value codes"])
+def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch, value_codes, monkeypatch):
     """With completion the one-row decode step stays one C call (native/pq_step.c estimates the candidates left out
-    in the same pass, by cell): the general step's tokens, its logits within float rounding (another summation
-    order), every decode step through the fused call with the cells' sums; an observer's steps and a single-stage
-    search (no re-rank to calibrate on in the call) take the general step."""
+    in the same pass, by key cell or by value code): the general step's tokens, its logits within float rounding
+    (another summation order), every decode step through the fused call with the values' summary, the filed
+    tokens' values coded as the general step codes them; an observer's steps and a single-stage search (no re-rank
+    to calibrate on in the call) take the general step."""
     from pqcache.native import pq_step as native_step
 
     model, ids = tiny_model(arch), _ids(400, seed=7)
-    config = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, completion=True, **SMALL)
+    config = PQCacheConfig(token_budget=0.1, rerank_min_tokens=0, completion=True, value_codes=value_codes, **SMALL)
     calls, real = [], native_step.pq_step
 
     def counted(*args, **kwargs):
-        calls.append(kwargs["cells"] is not None)
+        calls.append(_summarised(kwargs) and (kwargs["cells"] is None) == bool(value_codes))
         return real(*args, **kwargs)
 
     with torch.no_grad():
@@ -381,7 +406,7 @@ def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch,
         parent.wait()
     with torch.no_grad(), monkeypatch.context() as m:
         m.setattr(native_step, "pq_step", counted)
-        seq, scores = _greedy_on_a_fork(model, parent, ids[:, -1:], n=10)
+        seq, scores = _greedy_on_a_fork(model, parent, ids[:, -1:], n=10, check=_values_coded_as_the_general_step)
         observed = PQCache(model, config)
         observed.instrument(attention_every=0, recall_every=0)
         greedy_generate(model, ids, observed, n=3)
@@ -399,8 +424,14 @@ def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch,
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize(
     "settings",
-    [{}, dict(completion=True), dict(search_margin=0.0), dict(search_margin=0.0, gqa_combine="sum")],
-    ids=["mass", "mass and completion", "the search's exponentials", "raw-sum combine"],
+    [
+        {},
+        dict(completion=True),
+        dict(completion=True, value_codes=2),
+        dict(search_margin=0.0),
+        dict(search_margin=0.0, gqa_combine="sum"),
+    ],
+    ids=["mass", "mass and completion", "mass and completion by value code", "the search's exponentials", "raw-sum"],
 )
 def test_a_budget_in_mass_in_the_fused_step_keeps_what_the_general_step_keeps(arch, settings, monkeypatch):
     """A budget in mass is one C call too (native/pq_step.c's cut_by_mass, from the scores the search and the
@@ -436,24 +467,41 @@ def test_a_budget_in_mass_in_the_fused_step_keeps_what_the_general_step_keeps(ar
     torch.testing.assert_close(scores.nan_to_num(0, 0, 0), ref_scores.nan_to_num(0, 0, 0), rtol=1e-4, atol=1e-4)
 
 
+def _summarised(kwargs) -> bool:
+    """Whether a pq_step call was given the values' summary (completion): cells or value codes."""
+    return kwargs["cells"] is not None or kwargs["value_codes"] is not None
+
+
 @pytest.mark.parametrize(
-    "m, combine",
-    [(1, "softmax_sum"), (2, "softmax_sum"), (2, "sum")],
-    ids=["one sub-space, per code", "two sub-spaces, the search's exponentials", "two sub-spaces, raw sum"],
+    "m, combine, value_codes",
+    [(1, "softmax_sum", 0), (2, "softmax_sum", 0), (2, "sum", 0), (2, "softmax_sum", 8)],
+    ids=[
+        "one sub-space, per code",
+        "two sub-spaces, the search's exponentials",
+        "two sub-spaces, raw sum",
+        "by value code",
+    ],
 )
-def test_completion_over_thousands_of_candidates_is_split_between_threads_and_stays_the_same(m, combine):
+def test_completion_over_thousands_of_candidates_is_split_between_threads_and_stays_the_same(m, combine, value_codes):
     """From 4,096 candidates on the fused call's passes over them are split between the threads (each its own
     cells, added in order): on 6,000 random keys with one KV head and four query rows (Gemma 3's shape), eight decode
     steps give the general step's outputs within float rounding, with one thread and with two. Each way the weights
     are found: from the codes (one sub-space, searched per code; the raw-sum combine) and from the exponentials the
-    search's softmax combine already took."""
+    search's softmax combine already took; and with the weights summed by the values' own codes (value_codes)."""
     from pqcache.engine.layer.standalone import InlineExecutor, filled_layer
     from pqcache.engine.methods.pqcache import PQCacheMethod
 
     g = torch.Generator().manual_seed(5)
     keys, values = torch.randn(1, 1, 6000, 64, generator=g), torch.randn(1, 1, 6000, 64, generator=g)
     config = PQCacheConfig(
-        token_budget=0.05, rerank_min_tokens=0, completion=True, n_init=4, bits=6, m=m, gqa_combine=combine
+        token_budget=0.05,
+        rerank_min_tokens=0,
+        completion=True,
+        n_init=4,
+        bits=6,
+        m=m,
+        gqa_combine=combine,
+        value_codes=value_codes,
     )
     parent = filled_layer(keys, values, replace(config, completion=False), iters=5)
     steps = [(torch.randn(1, 4, 1, 64, generator=g), torch.randn(1, 1, 1, 64, generator=g)) for _ in range(8)]
@@ -479,7 +527,7 @@ def test_completion_over_thousands_of_candidates_is_split_between_threads_and_st
 
     reference, calls, real = run(False, 1), [], native_step.pq_step
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(native_step, "pq_step", lambda *a, **kw: calls.append(a[-1] is not None) or real(*a, **kw))
+        m.setattr(native_step, "pq_step", lambda *a, **kw: calls.append(_summarised(kw)) or real(*a, **kw))
         for threads in (1, 2):
             torch.testing.assert_close(run(True, threads), reference, rtol=1e-4, atol=1e-5)
-    assert calls == [True] * 16  # every step of both runs in the fused call, with the cells' mean values
+    assert calls == [True] * 16  # every step of both runs in the fused call, with the values' summary

@@ -1,6 +1,6 @@
 """A PQ layer's one-row decode step in one C call (native/pq_step.py, pq_step.c), for layer/onerow.py: whether a
 step can take it, its counts, the call, and the new token filed in it (its rows, flags, codes, and with completion
-its value in its cells). The tiers, codes and counters it leaves are those onerow._append leaves
+its value in the values' summary). The tiers, codes and counters it leaves are those onerow._append leaves
 (tests/unit/test_pq_step.py)."""
 
 from __future__ import annotations
@@ -44,7 +44,6 @@ def applies(layer, query, softcap, new_valid) -> bool:
         and window.k.dtype in KV_KINDS
         and pq_method.searches_natively(index, query.shape[1] // host.H)
         and layer.config.gqa_combine in native_select.MODES
-        and not (layer.config.completion and layer.config.value_codes)  # the call sums values by key cell
     )
 
 
@@ -68,19 +67,25 @@ def step(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> tup
     new = (k_new[0, :, 0], v_new[0, :, 0])
     slots = (window.k[0], window.v[0], lo + 1, *new)
     args = (query.reshape(Hq, D), scaling, _index(index), cand, counts, layer.config.gqa_combine, stores, slots)
-    value_means = cells = None
-    if layer.config.completion:  # each PQ cell's values summed: the candidates left out estimated in the same call
-        value_means = completion.value_means(layer.method_state, index, host)
-        cells = (value_means.sums[0], value_means.counts[0])  # (H, m C, D), (H, m C)
+    summary = cells = value_codes = None
+    if layer.config.completion:  # the values' summary: the candidates left out estimated in the same call
+        summary = completion.value_summary(layer.method_state, index, host, layer.config)
+        if isinstance(summary, completion.ValueCodes):
+            summary.reserve(host.S + 1)  # the filed token's codes go at host.S
+            value_codes = (summary.codes[0], summary.centroids[0])  # (H, n, S''), (H, n, C, D/n)
+        else:
+            cells = (summary.sums[0], summary.counts[0])  # (H, m C, D), (H, m C)
     margin = pq_method.first_stage_margin(layer.config)
     row_scale = None
     if margin:  # the first stage's margin (methods/pqcache.spreads), per query row
         row_scale = pq_method.spreads(index, query.reshape(1, H, Hq // H, D) * scaling, margin)[0].view(Hq)
     config = layer.config
     mass = None if config.mass is None else (config.mass, config.mass_floor_tokens)
-    top, out, kept = native_step.pq_step(*args, token, cells=cells, row_scale=row_scale, mass=mass)
-    if value_means is not None and not alone:  # the call summed the token it filed into its cells
-        value_means.summed_elsewhere(1)
+    top, out, kept = native_step.pq_step(
+        *args, token, cells=cells, row_scale=row_scale, mass=mass, value_codes=value_codes
+    )
+    if summary is not None and not alone:  # the call filed the token's value in the summary
+        summary.filed_elsewhere(1)
     top, top_valid = top[None], kept[None]  # (1, H, k): the picks (candidates, in the re-rank's k), those attended
     n_read = int(top_valid.sum())
     moved = window.counted(0, n_read, n_read, False, 0)  # no block cache: every pick attended read in the host tier
