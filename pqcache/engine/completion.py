@@ -14,10 +14,11 @@ is kept and the m of them averaged: each is the best guess of v from one part of
 summed as tokens arrive (a new codebook sums them anew): float32 sums and counts, segments x m x C x (D + 1) x 4
 bytes per row and KV head of a layer (64 KiB at m=1, 8 bits, D=64), no bytes per token (the codes are the index's).
 
-With config.value_codes = n (a study's setting, off by default), v~_t is instead the token's own value as PQ codes it:
-n sub-spaces of the values, VALUE_CENTROIDS centroids each (K-Means on the values stored when first needed, later
-values coded against them): n bytes a token and KV head, and VALUE_CENTROIDS x D float32 per row and KV head of a
-layer (256 KiB at D=256). docs/results.md compares the two.
+With config.value_codes = n > 0 (the default: 16 where the head size allows), v~_t is instead the token's own value
+as PQ codes it: n sub-spaces of the values, VALUE_CENTROIDS centroids each (K-Means on the prefill's values, in the
+prefill's PQ build; on the values stored when first needed where the index has none, a fork's of a cache built
+without completion), later values coded against them: n bytes a token and KV head, and VALUE_CENTROIDS x D float32
+per row and KV head of a layer (256 KiB at D=256), kept in the layer's PQIndex. docs/results.md compares the two.
 
 When every middle token is selected, the output is the selection's own, bit for bit: nothing is merged.
 Shapes: B rows, H KV heads, S positions, R query rows per KV head, D head size, P = segments x m x C cells.
@@ -30,7 +31,6 @@ import torch
 from pqcache.engine import pq
 
 VALUE_MEANS = "value_means"  # the view.state key of a layer's ValueMeans
-VALUE_CODES = "value_codes"  # the view.state key of a layer's ValueCodes
 VALUE_CENTROIDS = 256  # centroids per sub-space of the values' codes: a code is one byte
 
 
@@ -106,27 +106,37 @@ def value_means(state: dict, index, host) -> ValueMeans:
 class ValueCodes:
     """The values' own PQ codes (config.value_codes sub-spaces; see above), kept up to date as tokens arrive."""
 
-    def __init__(self, host, n_sub: int, iters: int, seed: int):
-        B, H = host.B, host.H
-        values = host.values(0, host.S, device="cpu", dtype=torch.float32)  # (B, H, S, D)
-        real = host.valid[:, : host.S].to("cpu")
+    def __init__(self, host, n_sub: int, iters: int, seed: int, end: int | None = None):
+        """K-Means of the real values of positions [0, end) (None: every stored one) and their codes."""
+        B, H, end = host.B, host.H, host.S if end is None else end
+        self.n = n_sub
+        values = host.values(0, end, device="cpu", dtype=torch.float32)  # (B, H, S, D)
+        real = host.valid[:, :end].to("cpu")
         per_head = [
             pq.train_centroids(values[b, h, real[b]], n_sub, VALUE_CENTROIDS, iters, "l2", seed)
             for b in range(B)
             for h in range(H)
         ]
         self.centroids = torch.stack(per_head).view(B, H, *per_head[0].shape).to(host.device)  # (B, H, n, C, d)
-        self.codes = torch.zeros((B, H, n_sub, host.S), dtype=torch.uint8, device=host.device)  # room for S'' >= done
+        self.codes = torch.zeros((B, H, n_sub, end), dtype=torch.uint8, device=host.device)  # room for S'' >= done
         self.done = 0  # positions coded
-        self.update(host)
+        self.update(host, end)
 
-    def update(self, host) -> None:
-        """Code the values of the positions stored since the last update."""
-        if host.S > self.done:
-            self.reserve(host.S)
-            values = host.values(self.done, host.S, device=self.centroids.device, dtype=torch.float32)
-            self.codes[..., self.done : host.S] = pq.encode(values, self.centroids, "l2")
-            self.done = host.S
+    def update(self, host, end: int | None = None) -> None:
+        """Code the values of the positions stored since the last update (up to end; None: every stored one)."""
+        end = host.S if end is None else end
+        if end > self.done:
+            self.reserve(end)
+            values = host.values(self.done, end, device=self.centroids.device, dtype=torch.float32)
+            self.codes[..., self.done : end] = pq.encode(values, self.centroids, "l2")
+            self.done = end
+
+    def fork(self, S: int) -> ValueCodes:
+        """A copy for a fork holding S of these positions: the centroids shared, the codes copied (small)."""
+        new = ValueCodes.__new__(ValueCodes)
+        new.n, new.centroids, new.done = self.n, self.centroids, min(S, self.done)
+        new.codes = self.codes[..., : new.done].clone()
+        return new
 
     def reserve(self, n: int) -> None:
         """Room for the codes of n positions (doubling: a decode step codes one)."""
@@ -157,13 +167,14 @@ class ValueCodes:
 
 
 def value_summary(state: dict, index, host, config):
-    """What completion reads the unselected tokens' values from: the layer's ValueCodes where config.value_codes
-    asks for them (made on first use), else its ValueMeans; either up to date with the stored tokens."""
+    """What completion reads the unselected tokens' values from: the index's ValueCodes where config.value_codes
+    asks for them (trained here where the index has none of that size), else the layer's ValueMeans; either up to
+    date with the stored tokens."""
     if not config.value_codes:
         return value_means(state, index, host)
-    kept = state.get(VALUE_CODES)
-    if kept is None:
-        kept = state[VALUE_CODES] = ValueCodes(host, config.value_codes, index.iters_for(host.S), config.seed)
+    kept = index.value_codes
+    if kept is None or kept.n != config.value_codes:
+        kept = index.value_codes = ValueCodes(host, config.value_codes, index.iters_for(host.S), config.seed)
     kept.update(host)
     return kept
 

@@ -10,6 +10,7 @@ from pqcache.engine.kernels import Kernels
 
 DEVICE_BLOCK_CACHE_TOKENS = 1024  # the block cache's capacity where block_cache_tokens is None, on an accelerator
 MASS_WINDOW_TOKENS = 32  # mass_window_tokens' default: an unset window's most tokens under a budget in mass
+VALUE_CODES = 16  # completion's value codes a token where value_codes is unset and the head size allows
 KV_DTYPES = ("auto", "model", "float32", "float16", "bfloat16")  # kv_dtype's choices
 
 
@@ -99,10 +100,11 @@ class PQCacheConfig:
         "estimate the unselected tokens' attention from their PQ codes and add it to the selection's",
         "estimate the tokens not attended",
     )
-    # Completion's value of an unselected token: 0, the mean value of its key's PQ cells (no bytes a token); n > 0,
-    # the value's own PQ codes in n sub-spaces (n bytes a token and KV head, general step only): a study's setting
-    # (docs/results.md measures both).
-    value_codes: int = 0
+    # Completion's value of an unselected token: n > 0, the value's own PQ codes in n sub-spaces (n bytes a token and
+    # KV head, trained with the prefill's codebooks); 0, the mean value of its key's PQ cells (no bytes a token).
+    # None: VALUE_CODES, or the most sub-spaces below it that divide the head size (for_head_dim). At 16 codes the
+    # completed output's error at 1/100 was 40% (Gemma 3) and 70% (SmolLM2) below the cell means' (docs/results.md).
+    value_codes: int | None = None
     # OPQ: learn an orthogonal rotation of each (row, KV head)'s keys before PQ (faiss OPQMatrix);
     # queries are rotated too, on the host where the rotations are kept.
     opq: bool = False
@@ -184,11 +186,14 @@ class PQCacheConfig:
 
     def for_head_dim(self, head_dim: int) -> PQCacheConfig:
         """A copy with m chosen for the model (when None): the fewest sub-spaces of at most 64
-        dimensions that divide head_dim."""
+        dimensions that divide head_dim; and value_codes (when None): the most, up to VALUE_CODES, that divide it."""
         m = self.m
         if m is None:
             m = next(d for d in range(max(1, -(-head_dim // 64)), head_dim + 1) if head_dim % d == 0)
-        config = replace(self, m=m)
+        value_codes = self.value_codes
+        if value_codes is None:
+            value_codes = max(n for n in range(1, VALUE_CODES + 1) if head_dim % n == 0)
+        config = replace(self, m=m, value_codes=value_codes)
         config.check_head_dim(head_dim)
         return config
 
@@ -302,8 +307,9 @@ def config_errors(config: PQCacheConfig) -> list[str]:
         errors.append(f"mass_floor_tokens must be an int >= 0, got {config.mass_floor_tokens!r}")
     if not _is_int(config.mass_window_tokens) or config.mass_window_tokens < 1:
         errors.append(f"mass_window_tokens must be an int >= 1, got {config.mass_window_tokens!r}")
-    if not _is_int(config.value_codes) or config.value_codes < 0:
-        errors.append(f"value_codes must be an int >= 0 (0: a mean value per key cell), got {config.value_codes!r}")
+    vc = config.value_codes
+    if vc is not None and (not _is_int(vc) or vc < 0):
+        errors.append(f"value_codes must be None or an int >= 0 (0: a mean value per key cell), got {vc!r}")
     if not isinstance(config.completion, bool):
         errors.append(f"completion must be True or False, got {config.completion!r}")
     sm = config.search_margin

@@ -35,7 +35,9 @@ SETTINGS = {
     "pqcache+mass0.9": ("pqcache", {"mass": 0.9}),
     "pqcache+mass0.95": ("pqcache", {"mass": 0.95}),
     "pqcache+completion": ("pqcache", {"completion": True}),
-    # completion reading the values' own PQ codes (4 or 16 bytes a token and KV head) instead of a mean per key cell
+    # completion reading a mean value per key cell instead of the values' own PQ codes (value_codes: the default,
+    # 16 codes where the head size allows), or 4 or 16 codes a token and KV head
+    "pqcache+completion+cellmeans": ("pqcache", {"completion": True, "value_codes": 0}),
     "pqcache+completion+vcodes4": ("pqcache", {"completion": True, "value_codes": 4}),
     "pqcache+completion+vcodes16": ("pqcache", {"completion": True, "value_codes": 16}),
 }
@@ -100,8 +102,7 @@ def _layer_rows(layer, base_config, budgets, methods, n_queries, iters, device) 
     for name in methods:
         for budget in _budgets_of(name, budgets):
             method, fields = SETTINGS[name]
-            own = {"mass": None, "completion": False, "value_codes": 0, **fields}
-            cfg = replace(cfg0, **own, token_budget=budget or 1.0)
+            cfg = replace(cfg0, **{"mass": None, "completion": False, **fields}, token_budget=budget or 1.0)
             try:
                 acc = _replay(parent, method, cfg, keys[:, :, P:], values[:, :, P:], queries, layer.scaling)
                 rows.append(_row(layer.layer_idx, name, budget, P, acc))

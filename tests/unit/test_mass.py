@@ -32,7 +32,13 @@ def _general_path(monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize(
     "settings",
-    [dict(completion=True), dict(completion=True, value_codes=2), dict(mass=0.9), dict(mass=1.0, completion=True)],
+    [
+        dict(completion=True),
+        dict(completion=True, value_codes=0),
+        dict(completion=True, value_codes=2),
+        dict(mass=0.9),
+        dict(mass=1.0, completion=True),
+    ],
 )
 def test_a_budget_covering_every_token_is_full_attention(arch, settings, monkeypatch):
     """Completion adds nothing when nothing is unselected, and a budget in mass keeps every pick at a target of 1 or
@@ -133,10 +139,11 @@ def test_value_codes_give_each_token_its_own_coded_value():
     unselected = torch.rand(B, H, S, generator=g) < 0.7
     scores = torch.randn(B, H, S, R, generator=g)
     config = PQCacheConfig(value_codes=n, kmeans_iters=5)
-    index = SimpleNamespace(iters_for=lambda s: 5)
+    index = SimpleNamespace(iters_for=lambda s: 5, value_codes=None)
     state = {}
-    completion.value_summary(state, index, _values_host(values, 200), config)  # trained on the first 200
+    first = completion.value_summary(state, index, _values_host(values, 200), config)  # trained on the first 200
     summary = completion.value_summary(state, index, _values_host(values, S), config)
+    assert summary is first is index.value_codes and not state  # kept by the index
     assert summary.done == S and summary.codes.shape[:3] == (B, H, n)
     lse, part = completion.unselected_part(scores, unselected, summary)
     weights = scores.masked_fill(~unselected[..., None], float("-inf")).softmax(2)  # (B, H, S, R)
@@ -260,7 +267,7 @@ def test_mass_cut_keeps_the_fewest_picks_that_reach_the_target_and_the_floor():
         ({"mass_floor_tokens": -1}, "mass_floor_tokens must be an int >= 0"),
         ({"mass_window_tokens": 0}, "mass_window_tokens must be an int >= 1"),
         ({"completion": "yes"}, "completion must be True or False, got 'yes'"),
-        ({"value_codes": -1}, "value_codes must be an int >= 0"),
+        ({"value_codes": -1}, "value_codes must be None or an int >= 0"),
     ],
 )
 def test_bad_mass_and_completion_settings_are_refused(kwargs, match):
@@ -361,6 +368,35 @@ def _greedy_on_a_fork(model, parent, token, n: int, picked: list | None = None, 
     return torch.cat(tokens, 1), torch.stack(scores)
 
 
+def test_value_codes_are_trained_with_the_prefills_codebooks_as_at_first_use():
+    """Under completion the prefill's PQ build trains the values' codes too (a PQ layer holds them before its first
+    step); a fork of a cache built without completion trains them where completion first needs them, on the same
+    values: the same codes and the same decode."""
+    model, ids = tiny_model("llama"), _ids(300)
+    config = PQCacheConfig(token_budget=0.1, completion=True, **SMALL)
+    with torch.no_grad():
+        built, plain = PQCache(model, config), PQCache(model, replace(config, completion=False))
+        for cache in (built, plain):
+            model(ids[:, :-1], cache=cache)
+            cache.wait()
+        assert all(layer.method_state["index"].value_codes.done == 299 for layer in built.pq_layers)
+        assert all(layer.method_state["index"].value_codes is None for layer in plain.pq_layers)
+        runs = []
+        for parent in (built, plain):
+            fork, token, logits = parent.fork("pqcache", config), ids[:, -1:], []
+            for _ in range(4):
+                logits.append(model(token, cache=fork).logits[:, -1])
+                token = logits[-1].argmax(-1, keepdim=True)
+            runs.append((torch.stack(logits), [layer.method_state["index"].value_codes for layer in fork.pq_layers]))
+            fork.close()
+            parent.close()
+    (scores, codes), (ref_scores, ref_codes) = runs
+    for mine, theirs in zip(codes, ref_codes, strict=True):
+        assert mine.done == theirs.done == 303
+        assert torch.equal(mine.centroids, theirs.centroids) and torch.equal(mine.codes, theirs.codes)
+    assert torch.equal(scores, ref_scores)
+
+
 def _values_coded_as_the_general_step(cache):
     """Each PQ layer's value codes, where it keeps them, cover every value it stores (the fused step codes the value
     of each token it files), each a nearest centroid: pq.encode's code, or one as near within float rounding (a
@@ -368,7 +404,7 @@ def _values_coded_as_the_general_step(cache):
     from pqcache.engine import pq
 
     for layer in cache.pq_layers:
-        summary = layer.method_state.get(completion.VALUE_CODES)
+        summary = layer.method_state["index"].value_codes
         if summary is None:
             continue
         assert summary.done == layer.host.S

@@ -20,7 +20,7 @@ from contextlib import nullcontext
 
 import torch
 
-from pqcache.engine import pq
+from pqcache.engine import completion, pq
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import Cancelled
 from pqcache.engine.layer.builds import Builds
@@ -57,6 +57,9 @@ class PQIndex:
         # stage's margin (config.search_margin) widens a score by it
         self.residuals = torch.zeros((B, H, 0), dtype=torch.float32, device=self.device)
         self.segments: list[tuple[int, torch.Tensor]] = []  # (start position, centroids (B, H, m, C, d))
+        # completion's codes of the values (engine/completion.ValueCodes), trained with the prefill's codebooks
+        # under config.completion, or where completion first needs them
+        self.value_codes: completion.ValueCodes | None = None
         # OPQ rotations (B, H, D, D) by segment start, kept on the host: keys and queries are rotated
         # before the codebooks see them (q.k = Rq.Rk for an orthogonal R)
         self.rotations: dict[int, torch.Tensor] = {}
@@ -108,6 +111,8 @@ class PQIndex:
                 self.stats["turn_segments"] += 1
         if result.get("rotation") is not None:
             self.rotations[self.segments[-1][0]] = result["rotation"]
+        if result.get("value_codes") is not None:
+            self.value_codes = result["value_codes"]
         self.set_codes(start, end, result["codes"], result["residuals"])
         S = self.host.S
         if S > end:  # tokens appended while it ran: code them with the segment they now belong to
@@ -223,15 +228,18 @@ class PQIndex:
         new.residuals = self.residuals[..., :S].clone()
         new.segments, new.generated, new.stats = list(self.segments), self.generated, dict(self.stats)
         new.rotations = dict(self.rotations)
+        if config.completion and self.value_codes is not None:
+            new.value_codes = self.value_codes.fork(S)
         return new
 
     @property
     def nbytes(self) -> int:
         """Codes (m bytes per token and head), residuals (4 bytes) and centroids (float32), as stored on the
-        device."""
+        device; completion's value codes and their centroids where it keeps them."""
         B, H, S = self.host.B, self.host.H, self.host.S
         cfg = self.config
-        return B * H * ((cfg.m + 4) * S + len(self.segments or [0]) * self.C * self.host.D * 4)
+        values = 0 if self.value_codes is None else self.value_codes.nbytes
+        return B * H * ((cfg.m + 4) * S + len(self.segments or [0]) * self.C * self.host.D * 4) + values
 
 
 def train(index: PQIndex, start: int, end: int, iters: int, kind: str) -> dict:
@@ -263,6 +271,9 @@ def train(index: PQIndex, start: int, end: int, iters: int, kind: str) -> dict:
         cents, keys = cents.to(index.device), keys.to(index.device)
         codes = pq.encode(keys, cents, cfg.metric)
         residuals = pq.residual_norms(keys, codes, cents)
+        value_codes = None
+        if kind == "prefill" and cfg.completion and cfg.value_codes:  # completion's, trained with the prefill's
+            value_codes = completion.ValueCodes(host, cfg.value_codes, iters, cfg.seed, end=end)
     return {
         "kind": kind,
         "start": start,
@@ -271,6 +282,7 @@ def train(index: PQIndex, start: int, end: int, iters: int, kind: str) -> dict:
         "codes": codes,
         "residuals": residuals,
         "rotation": rotation,
+        "value_codes": value_codes,
         "seconds": time.perf_counter() - t0,
     }
 

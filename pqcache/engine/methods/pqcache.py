@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from pqcache.engine import pq
-from pqcache.engine.completion import VALUE_CODES, VALUE_MEANS
+from pqcache.engine.completion import VALUE_MEANS
 from pqcache.engine.errors import PQBuildError
 from pqcache.engine.layer.builds import BuildFault
 from pqcache.engine.layer.index import PQIndex
@@ -98,8 +98,9 @@ class PQCacheMethod(ScoreMethod):
         return {} if index is None else dict(index.stats)
 
     def device_bytes(self, view):
-        """The index's codes and centroids, and completion's value summary where it keeps one."""
-        kept = [view.state.get(key) for key in ("index", VALUE_MEANS, VALUE_CODES)]
+        """The index's codes and centroids (the values' too, where it keeps them), and completion's mean values where
+        it keeps them."""
+        kept = [view.state.get(key) for key in ("index", VALUE_MEANS)]
         return sum(part.nbytes for part in kept if part is not None)
 
 
