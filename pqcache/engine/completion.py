@@ -131,12 +131,17 @@ class ValueCodes:
             self.codes[..., self.done : end] = pq.encode(values, self.centroids, "l2")
             self.done = end
 
+    @classmethod
+    def of(cls, centroids: torch.Tensor, codes: torch.Tensor) -> ValueCodes:
+        """Codes made before: centroids (B, H, n, C, d), the codes (B, H, n, S) of positions [0, S) (kept, not
+        copied)."""
+        new = cls.__new__(cls)
+        new.n, new.centroids, new.codes, new.done = codes.shape[2], centroids, codes, codes.shape[-1]
+        return new
+
     def fork(self, S: int) -> ValueCodes:
         """A copy for a fork holding S of these positions: the centroids shared, the codes copied (small)."""
-        new = ValueCodes.__new__(ValueCodes)
-        new.n, new.centroids, new.done = self.n, self.centroids, min(S, self.done)
-        new.codes = self.codes[..., : new.done].clone()
-        return new
+        return ValueCodes.of(self.centroids, self.codes[..., : min(S, self.done)].clone())
 
     def reserve(self, n: int) -> None:
         """Room for the codes of n positions (doubling: a decode step codes one)."""

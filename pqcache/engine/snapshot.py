@@ -1,7 +1,8 @@
 """A loaded document's cache as plain tensors, and back: what the document store keeps (pqcache/serving/store.py).
 
 snapshot(cache) -> (tensors, meta): each full-attention layer's keys, values and flags, its PQ index (the codes, each
-segment's centroids and OPQ rotation) and, where kept, the prefill's queries; each sliding-window layer's window.
+segment's centroids and OPQ rotation; completion's value codes and their centroids where it keeps them) and, where
+kept, the prefill's queries; each sliding-window layer's window.
 restore(model, config, tensors, meta) -> a PQCache holding the same tokens, codes and centroids, with no prefill and
 no K-Means, so every answer is token for token what the saved cache gives. A snapshot made for another model shape
 raises SnapshotError with what differs.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from pqcache.engine import completion
 from pqcache.engine.cache import PQCache
 from pqcache.engine.config import PQCacheConfig
 from pqcache.engine.errors import InputError
@@ -54,6 +56,9 @@ def snapshot(cache: PQCache) -> tuple[dict[str, torch.Tensor], dict]:
                     tensors[f"{p}centroids.{j}"] = centroids.cpu()
                     if start in index.rotations:
                         tensors[f"{p}rotation.{j}"] = index.rotations[start]
+                if index.value_codes is not None:  # completion's: (B, H, n, S) uint8, (B, H, n, C, D/n)
+                    tensors[p + "value_codes"] = index.value_codes.codes[..., : host.S].cpu()
+                    tensors[p + "value_centroids"] = index.value_codes.centroids.cpu()
         elif isinstance(layer, DynamicSlidingWindowLayer):
             entry = {"kind": "sliding", "seen": int(layer.cumulative_length)}  # tokens seen, beyond the window
             tensors[p + "keys"], tensors[p + "values"] = layer.keys, layer.values
@@ -114,4 +119,7 @@ def _index(layer: PQLayer, entry: dict, tensors: dict, p: str) -> PQIndex:
     }
     index.set_codes(0, layer.S, tensors[p + "codes"].to(device))
     index.stats.update(entry["stats"])
+    if p + "value_codes" in tensors:
+        centroids, codes = tensors[p + "value_centroids"].to(device), tensors[p + "value_codes"].to(device)
+        index.value_codes = completion.ValueCodes.of(centroids, codes.clone())
     return index

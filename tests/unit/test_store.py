@@ -56,6 +56,22 @@ def test_a_document_from_the_store_answers_as_its_prefill_did(tmp_path, arch, me
         assert index.segments[0][1].equal(saved.segments[0][1])
 
 
+def test_a_document_read_back_keeps_completions_value_codes(tmp_path):
+    """Under completion the store keeps the values' codes trained with the prefill's codebooks: read back, the
+    document answers as its prefill did with those codes, none trained again."""
+    model, store = tiny_model("llama"), DocumentStore(tmp_path)
+    first = session_on(model, store, completion=True)
+    first.load(TEXT)
+    prefilled = answers(first)
+    again = session_on(model, store, completion=True)
+    assert again.load(TEXT)["from"] == "store"
+    read_back = again.cache.pq_layers[0].method_state["index"].value_codes
+    saved = first.cache.pq_layers[0].method_state["index"].value_codes
+    assert read_back is not None and read_back.centroids.equal(saved.centroids)
+    assert read_back.codes[..., : again.n_tokens].equal(saved.codes[..., : first.n_tokens])
+    assert answers(again) == prefilled
+
+
 def test_another_text_or_other_settings_are_not_the_same_entry(tmp_path):
     model, store = tiny_model("llama"), DocumentStore(tmp_path)
     session_on(model, store).load(TEXT)
