@@ -10,7 +10,10 @@ from pqcache.engine.kernels import Kernels
 
 DEVICE_BLOCK_CACHE_TOKENS = 1024  # the block cache's capacity where block_cache_tokens is None, on an accelerator
 MASS_WINDOW_TOKENS = 32  # mass_window_tokens' default: an unset window's most tokens under a budget in mass
-VALUE_CODES = 16  # completion's value codes a token where value_codes is unset and the head size allows
+# completion's value codes where value_codes is unset: sub-spaces of VALUE_SUB_DIMS dimensions, at most VALUE_CODES
+# (16 for Gemma 3's 256-dim heads, 4 for SmolLM2's 64). Narrower sub-spaces code better but their K-Means is slower
+# per dimension: 16 sub-spaces of SmolLM2's 4 dims took 4x the 4 of 16 dims (0.7 s a layer at 4K tokens).
+VALUE_CODES, VALUE_SUB_DIMS = 16, 16
 KV_DTYPES = ("auto", "model", "float32", "float16", "bfloat16")  # kv_dtype's choices
 
 
@@ -102,8 +105,9 @@ class PQCacheConfig:
     )
     # Completion's value of an unselected token: n > 0, the value's own PQ codes in n sub-spaces (n bytes a token and
     # KV head, trained with the prefill's codebooks); 0, the mean value of its key's PQ cells (no bytes a token).
-    # None: VALUE_CODES, or the most sub-spaces below it that divide the head size (for_head_dim). At 16 codes the
-    # completed output's error at 1/100 was 40% (Gemma 3) and 70% (SmolLM2) below the cell means' (docs/results.md).
+    # None: the most sub-spaces of at least VALUE_SUB_DIMS dimensions, at most VALUE_CODES, that divide the head size
+    # (for_head_dim). The completed output's error at 1/100 was 40% (Gemma 3, 16 codes) and 40% (SmolLM2, 4) below
+    # the cell means' (docs/results.md).
     value_codes: int | None = None
     # OPQ: learn an orthogonal rotation of each (row, KV head)'s keys before PQ (faiss OPQMatrix);
     # queries are rotated too, on the host where the rotations are kept.
@@ -186,13 +190,15 @@ class PQCacheConfig:
 
     def for_head_dim(self, head_dim: int) -> PQCacheConfig:
         """A copy with m chosen for the model (when None): the fewest sub-spaces of at most 64
-        dimensions that divide head_dim; and value_codes (when None): the most, up to VALUE_CODES, that divide it."""
+        dimensions that divide head_dim; and value_codes (when None): the most sub-spaces of at least
+        VALUE_SUB_DIMS dimensions, up to VALUE_CODES, that divide it."""
         m = self.m
         if m is None:
             m = next(d for d in range(max(1, -(-head_dim // 64)), head_dim + 1) if head_dim % d == 0)
         value_codes = self.value_codes
         if value_codes is None:
-            value_codes = max(n for n in range(1, VALUE_CODES + 1) if head_dim % n == 0)
+            fits = [n for n in range(1, VALUE_CODES + 1) if head_dim % n == 0 and head_dim // n >= VALUE_SUB_DIMS]
+            value_codes = max(fits, default=1)
         config = replace(self, m=m, value_codes=value_codes)
         config.check_head_dim(head_dim)
         return config

@@ -4,7 +4,7 @@ what the selection missed and what the estimate put back (serving/teaching.py).
 
 One prefill (method "full", its queries kept; or a cache that kept them: cache_fidelity). Per full-attention layer,
 the last n_queries prefill tokens are held out: a standalone layer is filled with the P = S - n_queries tokens before
-them (PQ built once), and each setting
+them (PQ built once, completion's value codes with it), and each setting
 runs on a fork of it (the codes shared, no second K-Means) that replays the held-out tokens as decode steps:
 update(k_t, v_t), then attend(q_t) through PQLayer.attend, as a real decode step does, each step appending its
 token. The reference of each step is full attention over what the fork then stores (every earlier token and the
@@ -94,8 +94,8 @@ def _layer_rows(layer, base_config, budgets, methods, n_queries, iters, device) 
     values = layer.host.values(0, S, device).float()
     queries = layer.prefill_q[:, :, P:S].to(device).float()  # (1, Hq, n, D), unscaled: attend scales them
     cfg0 = replace(base_config, token_budget=1.0).for_head_dim(keys.shape[-1])
-    try:
-        parent = filled_layer(keys[:, :, :P], values[:, :, :P], cfg0, iters=iters)
+    try:  # built under completion: the values' codes trained once, with the keys', for every fork that reads them
+        parent = filled_layer(keys[:, :, :P], values[:, :, :P], replace(cfg0, completion=True), iters=iters)
     except Exception as exc:  # noqa: BLE001 - the layer's rows say why; the study goes on
         return [_failed(layer.layer_idx, m, b, exc) for m in methods for b in _budgets_of(m, budgets)]
     rows = []
