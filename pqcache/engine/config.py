@@ -11,8 +11,8 @@ from pqcache.engine.kernels import Kernels
 DEVICE_BLOCK_CACHE_TOKENS = 1024  # the block cache's capacity where block_cache_tokens is None, on an accelerator
 MASS_WINDOW_TOKENS = 32  # mass_window_tokens' default: an unset window's most tokens under a budget in mass
 # completion's value codes where value_codes is unset: sub-spaces of VALUE_SUB_DIMS dimensions, at most VALUE_CODES
-# (16 for Gemma 3's 256-dim heads, 4 for SmolLM2's 64). Narrower sub-spaces code better but their K-Means is slower
-# per dimension: 16 sub-spaces of SmolLM2's 4 dims took 4x the 4 of 16 dims (0.7 s a layer at 4K tokens).
+# (16 for Gemma 3's 256-dim heads, 4 for SmolLM2's 64). Narrower sub-spaces code better, but faiss's K-Means over
+# a few dimensions is several times slower per dimension, and it runs in the prefill's build.
 VALUE_CODES, VALUE_SUB_DIMS = 16, 16
 KV_DTYPES = ("auto", "model", "float32", "float16", "bfloat16")  # kv_dtype's choices
 
