@@ -14,11 +14,12 @@ is kept and the m of them averaged: each is the best guess of v from one part of
 summed as tokens arrive (a new codebook sums them anew): float32 sums and counts, segments x m x C x (D + 1) x 4
 bytes per row and KV head of a layer (64 KiB at m=1, 8 bits, D=64), no bytes per token (the codes are the index's).
 
-With config.value_codes = n > 0 (the default: 16 where the head size allows), v~_t is instead the token's own value
-as PQ codes it: n sub-spaces of the values, VALUE_CENTROIDS centroids each (K-Means on the prefill's values, in the
-prefill's PQ build; on the values stored when first needed where the index has none, a fork's of a cache built
-without completion), later values coded against them: n bytes a token and KV head, and VALUE_CENTROIDS x D float32
-per row and KV head of a layer (256 KiB at D=256), kept in the layer's PQIndex. docs/results.md compares the two.
+With config.value_codes = n > 0 (the default: sub-spaces of 16 dims, at most 16: config.for_head_dim), v~_t is
+instead the token's own value as PQ codes it: n sub-spaces of the values, VALUE_CENTROIDS centroids each (K-Means on
+the prefill's values, in the prefill's PQ build; on the values stored when first needed where the index has none, a
+fork's of a cache built without completion), later values coded against them: n bytes a token and KV head, and
+VALUE_CENTROIDS x D float32 per row and KV head of a layer (256 KiB at D=256), kept in the layer's PQIndex.
+docs/results.md compares the two.
 
 When every middle token is selected, the output is the selection's own, bit for bit: nothing is merged.
 Shapes: B rows, H KV heads, S positions, R query rows per KV head, D head size, P = segments x m x C cells.
