@@ -74,7 +74,7 @@ class ValueMeans:
 
     def filed_elsewhere(self, n: int) -> None:
         """The next n positions were summed into sums and counts by another implementation of update (the fused C
-        step sums the token it files: native/pq_step.c's file_value)."""
+        step sums the token it files: native/pq_complete.c's file_value)."""
         self.done += n
 
     def means(self) -> torch.Tensor:
@@ -153,7 +153,7 @@ class ValueCodes:
 
     def filed_elsewhere(self, n: int) -> None:
         """The next n positions were coded by another implementation of update (the fused C step codes the value of
-        the token it files: native/pq_step.c's file_value)."""
+        the token it files: native/pq_complete.c's file_value)."""
         self.done += n
 
     def output(self, weights: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,8 @@ memory's speed on the table.
                    the reshapes around it (native/select.py).
     pq_step.c      a PQ layer's whole selection and attention for one token in one call, the kernels above in turn
                    (native/pq_step.py, layer/fused.py), without the Python between them.
+    pq_complete.c  that call's estimate of the candidates it does not pick (completion) and its budget in mass
+                   (pq_step.h: what the two share).
 
 `python -m pqcache bench kernels` times each against torch's way (docs/benchmarks.md). The sources are compiled
 together once per machine with the system's C compiler (`cc`, or $CC; 0.6 s here) into $PQCACHE_KERNEL_DIR
@@ -49,10 +51,18 @@ from pqcache.native.signatures import declare
 
 SOURCES = [
     Path(__file__).with_name(name)
-    for name in ("int8_rows.c", "gather_dot.c", "layer_step.c", "pq_select.c", "pq_codes.c", "pq_step.c")
+    for name in (
+        "int8_rows.c",
+        "gather_dot.c",
+        "layer_step.c",
+        "pq_select.c",
+        "pq_codes.c",
+        "pq_step.c",
+        "pq_complete.c",
+    )
 ]
 HEADERS = [
-    Path(__file__).with_name(name) for name in ("lanes16.h", "half_rows.h", "exp_poly.h")
+    Path(__file__).with_name(name) for name in ("lanes16.h", "half_rows.h", "exp_poly.h", "pq_step.h")
 ]  # included by the sources: part of the build's name too
 # -fno-trapping-math: the compiler may compute both sides of a float select (pq_select.c's exponentials, masked);
 # without it that loop stayed scalar (0.69 against 0.44 ms a PQ search at 32K tokens, Zen 3). It changes no value:

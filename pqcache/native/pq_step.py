@@ -12,14 +12,14 @@ from pqcache.native.select import MODES
 
 
 class _Index(ctypes.Structure):
-    """pq_step.c's Index: a layer's centroids (Hk, m, C, d), codes and residuals, by address."""
+    """pq_step.h's Index: a layer's centroids (Hk, m, C, d), codes and residuals, by address."""
 
     _fields_ = [("centroids", ctypes.c_void_p), ("codes", ctypes.c_void_p), ("residuals", ctypes.c_void_p)]
     _fields_ += [(name, ctypes.c_int64) for name in ("m", "C", "code_head", "code_sub", "residual_head")]
 
 
 class _Values(ctypes.Structure):
-    """pq_step.c's Values: what completion reads the values left out from (a PQ cell's sums and counts, or the
+    """pq_step.h's Values: what completion reads the values left out from (a PQ cell's sums and counts, or the
     values' own codes and centroids), by address."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("sums", "counts", "codes", "centroids")]
@@ -34,7 +34,7 @@ class _Stores(ctypes.Structure):
 
 
 class _Token(ctypes.Structure):
-    """pq_step.c's Token: where a decode step's new token goes, by address."""
+    """pq_step.h's Token: where a decode step's new token goes, by address."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in ("own_k", "own_v", "ring_k", "ring_v", "valid", "searchable")]
     _fields_ += [("slot_pos", ctypes.c_void_p), ("joint", ctypes.c_void_p)]

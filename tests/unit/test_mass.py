@@ -421,7 +421,7 @@ def _values_coded_as_the_general_step(cache):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @pytest.mark.parametrize("value_codes", [0, 2], ids=["mean per key cell", "value codes"])
 def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch, value_codes, monkeypatch):
-    """With completion the one-row decode step stays one C call (native/pq_step.c estimates the candidates left out
+    """With completion the one-row decode step stays one C call (native/pq_complete.c estimates the candidates left out
     in the same pass, by key cell or by value code): the general step's tokens, its logits within float rounding
     (another summation order), every decode step through the fused call with the values' summary, the filed
     tokens' values coded as the general step codes them; an observer's steps and a single-stage search (no re-rank
@@ -470,7 +470,7 @@ def test_completion_in_the_fused_step_estimates_what_the_general_step_does(arch,
     ids=["mass", "mass and completion", "mass and completion by value code", "the search's exponentials", "raw-sum"],
 )
 def test_a_budget_in_mass_in_the_fused_step_keeps_what_the_general_step_keeps(arch, settings, monkeypatch):
-    """A budget in mass is one C call too (native/pq_step.c's cut_by_mass, from the scores the search and the
+    """A budget in mass is one C call too (native/pq_complete.c's cut_by_mass, from the scores the search and the
     re-rank already made): every decode step through it, each layer keeping the general step's number of picks,
     fewer than the token budget's, and the same tokens, logits within float rounding (another summation order)."""
     from pqcache.native import pq_step as native_step

@@ -75,7 +75,7 @@ def attend(layer, query, k_new, v_new, new_valid, scaling: float, softcap=None) 
     """query (1, Hq, 1, D), k_new, v_new (1, H, 1, D), new_valid (1, 1) -> attention output (1, 1, Hq, D), with
     the layer's tiers, index and counters updated as PQLayer.attend updates them. None, before anything is changed,
     for a step with completion or a budget in mass that the fused C call cannot take (which makes the estimate in
-    the same pass, native/pq_step.c) and that needs it (completion: picks that are not every candidate; a budget in
+    the same pass, native/pq_complete.c) and that needs it (completion: picks that are not every candidate; a budget in
     mass: any), or that is observed (the general step records the estimate's share): PQLayer.attend's general step
     then takes it."""
     host, window, config, state = layer.host, layer.window, layer.config, _state(layer)
