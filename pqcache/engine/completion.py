@@ -90,6 +90,10 @@ class ValueMeans:
             per_cell.scatter_add_(2, cells[:, :, j, :, None].expand(-1, -1, -1, R), weights)
         return per_cell.transpose(-1, -2) @ self.means() / m
 
+    def fused_operands(self, t: int) -> dict:
+        """What native/pq_step.pq_step reads this summary as (its cells), for a step filing position t."""
+        return {"cells": (self.sums[0], self.counts[0])}  # (H, m C, D), (H, m C)
+
     @property
     def nbytes(self) -> int:
         return (self.sums.numel() + self.counts.numel()) * 4
@@ -119,6 +123,7 @@ class ValueCodes:
             for h in range(H)
         ]
         self.centroids = torch.stack(per_head).view(B, H, *per_head[0].shape).to(host.device)  # (B, H, n, C, d)
+        self.half_norms = pq.centroid_half_norms(self.centroids)  # (B, H, n, C): coding a value reads them
         self.codes = torch.zeros((B, H, n_sub, end), dtype=torch.uint8, device=host.device)  # room for S'' >= done
         self.done = 0  # positions coded
         self.update(host, end)
@@ -129,7 +134,7 @@ class ValueCodes:
         if end > self.done:
             self.reserve(end)
             values = host.values(self.done, end, device=self.centroids.device, dtype=torch.float32)
-            self.codes[..., self.done : end] = pq.encode(values, self.centroids, "l2")
+            self.codes[..., self.done : end] = pq.encode(values, self.centroids, "l2", self.half_norms)
             self.done = end
 
     @classmethod
@@ -138,6 +143,7 @@ class ValueCodes:
         copied)."""
         new = cls.__new__(cls)
         new.n, new.centroids, new.codes, new.done = codes.shape[2], centroids, codes, codes.shape[-1]
+        new.half_norms = pq.centroid_half_norms(centroids)
         return new
 
     def fork(self, S: int) -> ValueCodes:
@@ -167,9 +173,15 @@ class ValueCodes:
         out = per_code.transpose(-1, -2) @ self.centroids  # (B, H, n, R, d)
         return out.transpose(2, 3).reshape(B, H, R, n * d)
 
+    def fused_operands(self, t: int) -> dict:
+        """What native/pq_step.pq_step reads these codes as, for a step filing position t (room made for its
+        codes)."""
+        self.reserve(t + 1)
+        return {"value_codes": (self.codes[0], self.centroids[0], self.half_norms[0])}  # (H, n, S''), .., (H, n, C)
+
     @property
     def nbytes(self) -> int:
-        return self.done * self.codes.shape[1] * self.codes.shape[2] * self.codes.shape[0] + self.centroids.numel() * 4
+        return self.codes[..., : self.done].numel() + self.centroids.numel() * 4
 
 
 def value_summary(state: dict, index, host, config):

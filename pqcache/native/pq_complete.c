@@ -24,10 +24,13 @@ typedef struct {
   int64_t n, C, code_sub;
 } Cells;
 
+void pq_encode(const float *key, const float *centroids, const float *half_norm, int64_t m, int64_t C, int64_t d,
+               uint8_t *codes, int64_t stride, float *residual);
+
 /* The filed token's value (its row in the host tier's own store, as stored) into V: by key cell, summed into its m
    cells of each head's sums, each cell's count one more (completion.ValueMeans.update's sums for one token, in the
-   same order); by the values' codes, its codes written at t, the nearest centroid of each sub-space
-   (pq.encode's rule: the largest v . c - |c|^2 / 2). v: D floats of scratch. */
+   same order); by the values' codes, its codes written at t as pq_codes.c codes a key (pq.encode's rule: the
+   nearest centroid of each sub-space). v: D floats of scratch. */
 void file_value(int64_t Hk, int64_t D, const Index *X, int64_t t, const Token *T, const Values *V, float *v) {
   int64_t m = X->m, P = m * X->C, own = kv_bytes((int)T->own_kind);
   for (int64_t c = 0; c < Hk; c++) {
@@ -40,22 +43,9 @@ void file_value(int64_t Hk, int64_t D, const Index *X, int64_t t, const Token *T
       }
       continue;
     }
-    int64_t d_sub = D / V->n;
-    for (int64_t j = 0; j < V->n; j++) {
-      const float *cent = V->centroids + (c * V->n + j) * V->C * d_sub, *x = v + j * d_sub;
-      float best = -INFINITY;
-      int64_t code = 0;
-      for (int64_t e = 0; e < V->C; e++) {
-        float dot = 0.0f, half = 0.0f;
-        for (int64_t d = 0; d < d_sub; d++) {
-          dot += x[d] * cent[e * d_sub + d];
-          half += cent[e * d_sub + d] * cent[e * d_sub + d];
-        }
-        float score = dot - 0.5f * half;
-        if (score > best) best = score, code = e;
-      }
-      V->codes[c * V->code_head + j * V->code_sub + t] = (uint8_t)code;
-    }
+    int64_t cells = V->n * V->C;
+    pq_encode(v, V->centroids + c * cells * (D / V->n), V->half_norm + c * cells, V->n, V->C, D / V->n,
+              V->codes + c * V->code_head + t, V->code_sub, NULL);
   }
 }
 

@@ -161,12 +161,16 @@ int pq_step(const float *q, int64_t Hq, int64_t Hk, int64_t D, float scaling, co
     /* the candidates that are not picks, in one pass: completion's part, and the budget in mass's softmax */
     const uint8_t *codes = X->codes + c * X->code_head;
     float rest_lse[64], *lse = V ? part_lse + c * G : rest_lse;
-    Values head = {NULL, NULL, NULL, NULL, 0, 0, 0, 0}; /* V's part for this head */
-    if (V && V->codes == NULL) head = (Values){V->sums + c * m * C * D, V->counts + c * m * C, NULL, NULL, 0, 0, 0, 0};
+    Values head = {0}; /* V's part for this head */
+    if (V && V->codes == NULL) {
+      head.sums = V->sums + c * m * C * D;
+      head.counts = V->counts + c * m * C;
+    }
     if (V && V->codes != NULL) {
       head = *V;
       head.codes = V->codes + c * V->code_head;
       head.centroids = V->centroids + c * V->n * V->C * (D / V->n);
+      head.half_norm = V->half_norm + c * V->n * V->C;
     }
     if (!failed && estimating)
       failed = unselected_part(tables, X, codes, cand, n, &found, top, exact, wide, idx, k, G, V ? &head : NULL, D,

@@ -19,12 +19,12 @@ typedef struct {
 /* What completion reads the values left out from (engine/completion.py). By key cell, where codes is NULL: sums
    (Hk, m C, D) each PQ cell's values summed, counts (Hk, m C) how many (ValueMeans: a value is the mean over its
    key's m cells of their mean values). Else by the values' own codes: head c's sub-space j's code of token t at
-   codes[c * code_head + j * code_sub + t], centroids (Hk, n, C, D/n) (ValueCodes: a value is its codes' centroids
-   put together). */
+   codes[c * code_head + j * code_sub + t], centroids (Hk, n, C, D/n) and their half_norm (Hk, n, C) |c|^2 / 2
+   (ValueCodes: a value is its codes' centroids put together). */
 typedef struct {
   float *sums, *counts;
   uint8_t *codes;
-  const float *centroids;
+  const float *centroids, *half_norm;
   int64_t n, C, code_head, code_sub;
 } Values;
 

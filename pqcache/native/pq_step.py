@@ -22,7 +22,7 @@ class _Values(ctypes.Structure):
     """pq_step.h's Values: what completion reads the values left out from (a PQ cell's sums and counts, or the
     values' own codes and centroids), by address."""
 
-    _fields_ = [(name, ctypes.c_void_p) for name in ("sums", "counts", "codes", "centroids")]
+    _fields_ = [(name, ctypes.c_void_p) for name in ("sums", "counts", "codes", "centroids", "half_norm")]
     _fields_ += [(name, ctypes.c_int64) for name in ("n", "C", "code_head", "code_sub")]
 
 
@@ -69,7 +69,8 @@ def pq_step(
     the output (1, Hq * D). cells: (sums (Hk, m C, D), counts (Hk, m C)) float32 and contiguous, each PQ cell's
     values summed and how many (engine/completion.ValueMeans), or None: with them the candidates not picked are
     estimated and merged into the output (completion), and a token filed here is summed into its cells in place.
-    value_codes: (codes (Hk, n, S'') uint8, centroids (Hk, n, C, D/n) float32), the values' own PQ codes
+    value_codes: (codes (Hk, n, S'') uint8, centroids (Hk, n, C, D/n), their half norms (Hk, n, C) float32), the
+    values' own PQ codes
     (engine/completion.ValueCodes), instead of cells: the same, each value read as its codes give it, and a token
     filed here has its value's codes written at its position (S'' past it).
     row_scale (Hq,) float32, or None: the search ranks each token by its PQ score + row_scale x its residual
@@ -91,13 +92,8 @@ def pq_step(
     stored = S0 + (0 if own_k is None else own_k.shape[1])
     if not 0 < k < wide <= cand.shape[0] <= min(codes.shape[-1], stored) or q.dtype != torch.float32:
         raise ValueError(f"pq_step: k {k}, wide {wide}, {cand.shape[0]} tokens, q {q.dtype}")
-    if cells is not None:
-        sums, counts = cells
-        P = index[0].shape[1] * index[0].shape[2]  # m C
-        alike = sums.shape == (Hk, P, D) and counts.shape == (Hk, P)
-        if not alike or {sums.dtype, counts.dtype} != {torch.float32}:
-            raise ValueError(f"pq_step: cells {tuple(sums.shape)}, {tuple(counts.shape)}: not ({Hk}, {P}, {D}) float32")
-    V = _values(cells, value_codes, Hk, D, Hq, 0 if token is None else token[1])
+    P = index[0].shape[1] * index[0].shape[2]  # m C: the key cells
+    V = _values(cells, value_codes, (Hk, P, D), Hq, 0 if token is None else token[1])
     X, keep = _index(index, D)
     q, cand, new = q.contiguous(), cand.contiguous(), _rows(k_new, v_new, Hk, D)
     if row_scale is not None:
@@ -154,18 +150,21 @@ def pq_append(new: tuple, index: tuple, token: tuple):
     del keep
 
 
-def _values(cells, value_codes, Hk: int, D: int, Hq: int, t: int):
-    """pq_step's cells or value_codes (at most one) -> the C Values, or None."""
+def _values(cells, value_codes, shape: tuple, Hq: int, t: int):
+    """pq_step's cells or value_codes (at most one), for (Hk KV heads, P key cells, rows of D) -> the C Values, or
+    None."""
     if cells is None and value_codes is None:
         return None
+    Hk, P, D = shape
     if Hq // Hk > 64 or (cells is not None and value_codes is not None):
         raise ValueError("pq_step: completion takes at most 64 query rows a KV head, and cells or codes, not both")
     if cells is not None:
         sums, counts = cells
-        if not (sums.is_contiguous() and counts.is_contiguous()):
-            raise ValueError("pq_step: cells' sums and counts must be contiguous")
-        return _Values(sums.data_ptr(), counts.data_ptr(), 0, 0, 0, 0, 0, 0)
-    codes, centroids = value_codes
+        alike = sums.shape == (Hk, P, D) and counts.shape == (Hk, P) and sums.is_contiguous() and counts.is_contiguous()
+        if not alike or {sums.dtype, counts.dtype} != {torch.float32}:
+            raise ValueError(f"pq_step: cells {tuple(sums.shape)}, {tuple(counts.shape)}: not ({Hk}, {P}, {D}) float32")
+        return _Values(sums.data_ptr(), counts.data_ptr(), 0, 0, 0, 0, 0, 0, 0)
+    codes, centroids, half_norm = value_codes
     _, n, C, d = centroids.shape
     if (
         codes.dtype != torch.uint8
@@ -175,12 +174,16 @@ def _values(cells, value_codes, Hk: int, D: int, Hq: int, t: int):
         or centroids.dtype != torch.float32
         or not centroids.is_contiguous()
         or centroids.shape[0] != Hk
+        or half_norm.shape != centroids.shape[:3]
+        or half_norm.dtype != torch.float32
+        or not half_norm.is_contiguous()
         or n * d != D
         or C > 256
     ):
         shapes = f"{tuple(codes.shape)}, centroids {tuple(centroids.shape)}"
         raise ValueError(f"pq_step: value codes {shapes} for {Hk} heads of {D}")
-    return _Values(0, 0, codes.data_ptr(), centroids.data_ptr(), n, C, codes.stride(0), codes.stride(1))
+    addresses = (codes.data_ptr(), centroids.data_ptr(), half_norm.data_ptr())
+    return _Values(0, 0, *addresses, n, C, codes.stride(0), codes.stride(1))
 
 
 def _index(index: tuple, D: int):

@@ -35,8 +35,8 @@ SETTINGS = {
     "pqcache+mass0.9": ("pqcache", {"mass": 0.9}),
     "pqcache+mass0.95": ("pqcache", {"mass": 0.95}),
     "pqcache+completion": ("pqcache", {"completion": True}),
-    # completion reading a mean value per key cell instead of the values' own PQ codes (value_codes: the default,
-    # 16 codes where the head size allows), or 4 or 16 codes a token and KV head
+    # completion reading a mean value per key cell instead of the values' own PQ codes (value_codes' default:
+    # sub-spaces of 16 dims, PQCacheConfig.for_head_dim), or 4 or 16 codes a token and KV head
     "pqcache+completion+cellmeans": ("pqcache", {"completion": True, "value_codes": 0}),
     "pqcache+completion+vcodes4": ("pqcache", {"completion": True, "value_codes": 4}),
     "pqcache+completion+vcodes16": ("pqcache", {"completion": True, "value_codes": 16}),

@@ -67,23 +67,17 @@ def step(layer, index, query, cand, counts, k_new, v_new, scaling: float) -> tup
     new = (k_new[0, :, 0], v_new[0, :, 0])
     slots = (window.k[0], window.v[0], lo + 1, *new)
     args = (query.reshape(Hq, D), scaling, _index(index), cand, counts, layer.config.gqa_combine, stores, slots)
-    summary = cells = value_codes = None
+    summary, operands = None, {}
     if layer.config.completion:  # the values' summary: the candidates left out estimated in the same call
         summary = completion.value_summary(layer.method_state, index, host, layer.config)
-        if isinstance(summary, completion.ValueCodes):
-            summary.reserve(host.S + 1)  # the filed token's codes go at host.S
-            value_codes = (summary.codes[0], summary.centroids[0])  # (H, n, S''), (H, n, C, D/n)
-        else:
-            cells = (summary.sums[0], summary.counts[0])  # (H, m C, D), (H, m C)
+        operands = summary.fused_operands(host.S)  # the filed token goes at host.S
     margin = pq_method.first_stage_margin(layer.config)
     row_scale = None
     if margin:  # the first stage's margin (methods/pqcache.spreads), per query row
         row_scale = pq_method.spreads(index, query.reshape(1, H, Hq // H, D) * scaling, margin)[0].view(Hq)
     config = layer.config
     mass = None if config.mass is None else (config.mass, config.mass_floor_tokens)
-    top, out, kept = native_step.pq_step(
-        *args, token, cells=cells, row_scale=row_scale, mass=mass, value_codes=value_codes
-    )
+    top, out, kept = native_step.pq_step(*args, token, row_scale=row_scale, mass=mass, **operands)
     if summary is not None and not alone:  # the call filed the token's value in the summary
         summary.filed_elsewhere(1)
     top, top_valid = top[None], kept[None]  # (1, H, k): the picks (candidates, in the re-rank's k), those attended
